@@ -1,0 +1,14 @@
+"""ds_muon: Muon for sharded PyTorch training (DeepSpeed ZeRO, FSDP1/FSDP2, DDP, accelerate)."""
+
+from .layout import Layout, MatrixSlot, ParamBinding, Piece
+from .newton_schulz import newton_schulz
+from .optimizer import Muon
+from .param_groups import muon_param_groups
+from .planner import CostModel, MatrixTask, Plan, plan_homes
+from .scaling import get_muon_scale_factor
+
+__all__ = [
+    "Muon", "muon_param_groups", "newton_schulz", "get_muon_scale_factor",
+    "Layout", "MatrixSlot", "ParamBinding", "Piece", "CostModel", "MatrixTask", "Plan", "plan_homes",
+]
+__version__ = "0.1.0"

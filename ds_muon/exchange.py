@@ -1,0 +1,173 @@
+"""The fused exchange: every piece to its home in one all_to_all, results back in one more.
+
+Compiled once per (Layout, active matrices, homes): which segment goes from
+which rank to which, where it lands in the home's same-shape stacks, and the
+split sizes.  A step then only packs, calls ``all_to_all_single`` and unpacks.
+Nothing crosses the wire that the receiver already holds, and when no rank
+needs to move anything the collective is skipped everywhere (every rank knows
+the whole plan, so they all agree without talking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout, Piece
+
+
+@dataclass
+class _Segment:
+    matrix: int  # index into the layout's matrices
+    piece: Piece
+
+
+class Exchange:
+    """Moves pieces of ``layout.matrices[active]`` to their homes and results back.
+
+    ``homes[i]`` is a tuple of ranks for ``layout.matrices[i]``: one rank in the
+    sharded mode, every rank in the duplicated baseline.  ``stack_key[i]`` groups
+    matrices that may share one batched NS call at a home (shape and NS settings).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        active: Sequence[int],
+        homes: Dict[int, Tuple[int, ...]],
+        stack_key: Dict[int, Hashable],
+        gather_dtype: torch.dtype,
+        scatter_dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.layout = layout
+        self.group = layout.group
+        self.world = layout.world_size
+        self.rank = r = layout.rank
+        self.active = list(active)
+        self.homes = homes
+        self.gather_dtype = gather_dtype
+        self.scatter_dtype = scatter_dtype
+        self.device = device
+
+        # Stacks at this rank: key -> ordered matrix indices; position of each matrix.
+        self.stacks: Dict[Hashable, List[int]] = {}
+        for i in self.active:
+            if r in homes[i]:
+                self.stacks.setdefault(stack_key[i], []).append(i)
+        self.slot = {i: (k, j) for k, idx in self.stacks.items() for j, i in enumerate(idx)}
+
+        send_g = [[] for _ in range(self.world)]  # gather: what r sends to each home
+        recv_g = [[] for _ in range(self.world)]  # gather: what r (a home) receives from each rank
+        self.self_gather: List[_Segment] = []  # pieces r holds of matrices it is home of
+        send_s = [[] for _ in range(self.world)]
+        recv_s = [[] for _ in range(self.world)]
+        any_traffic = False
+        for i in self.active:
+            info = layout.matrices[i]
+            hs = homes[i]
+            for piece, holders in info.distinct_pieces():
+                for hk, h in enumerate(hs):
+                    if h in holders:
+                        if h == r:
+                            self.self_gather.append(_Segment(i, piece))
+                        continue
+                    src = holders[(i + hk) % len(holders)]
+                    any_traffic = True
+                    if src == r:
+                        send_g[h].append(_Segment(i, piece))
+                    if h == r:
+                        recv_g[src].append(_Segment(i, piece))
+            for d, piece in enumerate(info.pieces):
+                if piece is None or piece.numel == 0 or d in hs:
+                    continue
+                src = hs[d % len(hs)]
+                any_traffic = True
+                if src == r:
+                    send_s[d].append(_Segment(i, piece))
+                if d == r:
+                    recv_s[src].append(_Segment(i, piece))
+        self.any_traffic = any_traffic and self.world > 1
+        self.send_g, self.recv_g, self.send_s, self.recv_s = send_g, recv_g, send_s, recv_s
+        sizes = lambda segs: [sum(s.piece.numel for s in lst) for lst in segs]  # noqa: E731
+        self.split_send_g, self.split_recv_g = sizes(send_g), sizes(recv_g)
+        self.split_send_s, self.split_recv_s = sizes(send_s), sizes(recv_s)
+        # Where each of r's own results arrives in the scatter receive buffer.
+        self.recv_offset: Dict[int, int] = {}
+        off = 0
+        for lst in recv_s:
+            for s in lst:
+                self.recv_offset[s.matrix] = off
+                off += s.piece.numel
+        self.bytes_sent = (sum(self.split_send_g) * _itemsize(gather_dtype)
+                           + sum(self.split_send_s) * _itemsize(scatter_dtype))
+        self.bytes_received = (sum(self.split_recv_g) * _itemsize(gather_dtype)
+                               + sum(self.split_recv_s) * _itemsize(scatter_dtype))
+
+    # -- gather ---------------------------------------------------------------
+    def gather(self, local: Dict[int, torch.Tensor]) -> Dict[Hashable, torch.Tensor]:
+        """``local[i]``: this rank's piece of matrix i, flat.  Returns the home stacks
+        ``{key: [k, rows, cols]}`` filled with the full matrices."""
+        stacks = {}
+        for key, idx in self.stacks.items():
+            info = self.layout.matrices[idx[0]]
+            stacks[key] = torch.empty((len(idx), info.rows, info.cols), dtype=self.gather_dtype, device=self.device)
+        for seg in self.self_gather:
+            self._home_view(stacks, seg).copy_(local[seg.matrix].view(seg.piece.rows, seg.piece.length))
+        if not self.any_traffic:
+            return stacks
+        send = self._pack(self.send_g, self.split_send_g, self.gather_dtype,
+                          lambda seg: local[seg.matrix])
+        recv = torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype, device=self.device)
+        dist.all_to_all_single(recv, send, self.split_recv_g, self.split_send_g, group=self.group)
+        off = 0
+        for lst in self.recv_g:
+            for seg in lst:
+                n = seg.piece.numel
+                self._home_view(stacks, seg).copy_(recv[off:off + n].view(seg.piece.rows, seg.piece.length))
+                off += n
+        return stacks
+
+    # -- scatter --------------------------------------------------------------
+    def scatter(self, results: Dict[Hashable, torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """``results``: the home stacks after NS (contiguous).  Returns, for each matrix
+        this rank holds a piece of, that piece of the result as ``[rows, length]``."""
+        out: Dict[int, torch.Tensor] = {}
+        mine = self.layout.matrices
+        for i in self.active:
+            piece = mine[i].pieces[self.rank]
+            if piece is not None and piece.numel > 0 and self.rank in self.homes[i]:
+                out[i] = self._home_view(results, _Segment(i, piece))
+        if not self.any_traffic:
+            return out
+        send = self._pack(self.send_s, self.split_send_s, self.scatter_dtype,
+                          lambda seg: self._home_view(results, seg))
+        recv = torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype, device=self.device)
+        dist.all_to_all_single(recv, send, self.split_recv_s, self.split_send_s, group=self.group)
+        for i, off in self.recv_offset.items():
+            piece = mine[i].pieces[self.rank]
+            out[i] = recv[off:off + piece.numel].view(piece.rows, piece.length)
+        return out
+
+    # -- helpers --------------------------------------------------------------
+    def _home_view(self, stacks, seg: _Segment) -> torch.Tensor:
+        key, j = self.slot[seg.matrix]
+        return seg.piece.view_in(stacks[key][j].view(-1))
+
+    def _pack(self, segs, splits, dtype, source) -> torch.Tensor:
+        buf = torch.empty(sum(splits), dtype=dtype, device=self.device)
+        off = 0
+        for lst in segs:
+            for seg in lst:
+                n = seg.piece.numel
+                buf[off:off + n].view(seg.piece.rows, seg.piece.length).copy_(
+                    source(seg).reshape(seg.piece.rows, seg.piece.length))
+                off += n
+        return buf
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,414 @@
+"""``Muon``: a torch.optim.Optimizer that orthogonalizes each weight matrix once, at one home rank.
+
+The step's order (every stack goes through the same path):
+
+1. check, before anything changes: gradient presence agrees across ranks and
+   every gradient is finite (one small all_reduce when distributed);
+2. AdamW, through torch's own functional AdamW, on tensors of ``use_muon=False``
+   groups (and on the non-matrix slices of mixed flat shards);
+3. Muon, on local pieces only: weight decay, momentum, Nesterov;
+4. the :mod:`~ds_muon.exchange` brings every matrix whole to its home
+   (:mod:`~ds_muon.planner`), NS runs there batched by shape, results go back;
+5. each rank applies its pieces of the results in place.
+
+How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
+as :class:`~ds_muon.layout.ParamBinding` objects; nothing here depends on the stack.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+from torch.optim.adamw import adamw as functional_adamw
+
+from .exchange import Exchange
+from .layout import Layout, ParamBinding, build_layout
+from .newton_schulz import newton_schulz, resolve_coefficients
+from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
+from .scaling import check_scale_mode, get_muon_scale_factor
+
+MODES = ("sharded", "duplicated")
+WEIGHT_DECAY_MODES = ("decoupled", "l2")
+NONFINITE = ("raise", "skip")
+
+
+def _dtype(value, name: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        d = getattr(torch, value.replace("torch.", ""), None)
+        if isinstance(d, torch.dtype) and d.is_floating_point:
+            return d
+    raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32')")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Muon(Optimizer):
+    """Muon for hidden weight matrices, AdamW for everything else, sharded or not.
+
+    Param groups carry ``use_muon`` (default True); build them with
+    :func:`ds_muon.muon_param_groups`.  AdamW groups use their ``lr``, ``betas``
+    (default ``adam_betas``), ``eps`` (default ``adam_eps``) and ``weight_decay``.
+    ``mode="duplicated"`` is the baseline that runs every NS on every rank.
+    ``comm_dtype`` (default: lossless — the NS dtype where NS would cast to it
+    anyway) can be forced narrower, which breaks bitwise parity.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        weight_decay_mode: str = "decoupled",
+        ns_steps: int = 5,
+        ns_coefficients="keller",
+        ns_dtype=torch.bfloat16,
+        eps: float = 1e-7,
+        scale_mode: str = "shape_scaling",
+        extra_scale_factor: float = 1.0,
+        adam_betas: Tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
+        process_group: Optional[dist.ProcessGroup] = None,
+        mode: str = "sharded",
+        model: Optional[torch.nn.Module] = None,
+        nonfinite: str = "raise",
+        comm_dtype=None,
+        planner: str = "locality",
+        cost_model: Optional[CostModel] = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of {list(NONFINITE)}")
+        if planner not in STRATEGIES:
+            raise ValueError(f"planner={planner!r} is unknown; use one of {list(STRATEGIES)}")
+        self.mode = mode
+        self.nonfinite = nonfinite
+        self.process_group = process_group
+        self.model = model
+        self.comm_dtype = None if comm_dtype is None else _dtype(comm_dtype, "comm_dtype")
+        self.planner = planner
+        self.cost_model = cost_model or CostModel()
+        self.adam_betas = tuple(adam_betas)
+        self.adam_eps = adam_eps
+        self.nonfinite_skips = 0
+        self.binder: Optional[Callable] = None  # set by an integration that owns the layout
+        self._bindings: Dict[int, ParamBinding] = {}
+        self._binding_sig: Optional[tuple] = None
+        self._layouts: List[Layout] = []
+        self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+            ns_dtype=_dtype(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor, use_muon=True,
+        )
+        super().__init__(params, defaults)
+
+    # -- groups ----------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        if not param_group.get("use_muon", True):
+            param_group.setdefault("betas", self.adam_betas)
+            param_group.setdefault("eps", self.adam_eps)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if "ns_dtype" in group:
+            group["ns_dtype"] = _dtype(group["ns_dtype"], "ns_dtype")
+        _validate_group(group, len(self.param_groups) - 1)
+        self._binding_sig = None
+
+    def _name(self, gi: int, pi: int) -> str:
+        names = self.param_groups[gi].get("param_names")
+        return names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+
+    # -- bindings and layouts (rebuilt when parameters change) ----------------
+    def _resolve(self) -> None:
+        sig = tuple(
+            (id(p), _placement_sig(p)) for g in self.param_groups if g["use_muon"] for p in g["params"]
+        )
+        if sig == self._binding_sig:
+            return
+        from .integrations import default_binder
+
+        binder = self.binder or default_binder
+        self._bindings = {}
+        by_group: Dict[object, list] = {}
+        for gi, g in enumerate(self.param_groups):
+            if not g["use_muon"]:
+                continue
+            for pi, p in enumerate(g["params"]):
+                b = binder(self, p, self._name(gi, pi))
+                self._bindings[id(p)] = b
+                by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend((b, s) for s in b.matrices)
+        self._layouts = [build_layout(entries, group) for group, entries in by_group.values()]
+        self._exchanges = {}
+        self._binding_sig = sig
+
+    # -- the step -------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._resolve()
+        self._init_state()
+        active = self._check_gradients()
+        if active is None:
+            return loss
+        for g in self.param_groups:
+            if not g["use_muon"]:
+                self._adamw(g, [p for p in g["params"] if id(p) in active])
+        self._muon(active)
+        return loss
+
+    def _init_state(self) -> None:
+        """State for every tensor at once, so every rank holds the same keys (DCP needs it)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if g["use_muon"]:
+                    if "momentum_buffer" not in st:
+                        st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif "exp_avg" not in st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _agreement_group(self):
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1
+        return self.process_group, dist.get_world_size(self.process_group)
+
+    def _local_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        b = self._bindings.get(id(p))
+        g = p.grad
+        if g is None:
+            return None
+        return b.flat(g) if b is not None else g
+
+    def _check_gradients(self) -> Optional[set]:
+        """Which tensors step, agreed by every rank before anything changes.
+
+        Returns None when the step is skipped.  Raises on the first problem, the
+        same error on every rank (the flags are all-reduced, not local).
+        """
+        items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
+        flags = torch.zeros(len(items), 3, dtype=torch.int64)  # has grad, no grad, non-finite
+        checks = []
+        for k, (gi, pi, p) in enumerate(items):
+            g = p.grad
+            if g is None:
+                flags[k, 1] = 1
+                continue
+            if g.is_sparse:
+                raise ValueError(f"ds_muon: {self._name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
+            flags[k, 0] = 1
+            lg = self._local_grad(p)
+            checks.append((k, torch.isfinite(lg).all() if lg.numel() else None))
+        finite = [c for c in checks if c[1] is not None]
+        if finite:
+            ok = torch.stack([c for _, c in finite]).cpu()
+            for (k, _), good in zip(finite, ok.tolist()):
+                flags[k, 2] = int(not good)
+        group, world = self._agreement_group()
+        if world > 1:
+            dev = _comm_device(group)
+            total = flags.to(dev)
+            dist.all_reduce(total, group=group)
+            flags = total.cpu()
+        for k, (gi, pi, p) in enumerate(items):
+            if flags[k, 0] and flags[k, 1]:
+                raise RuntimeError(
+                    f"ds_muon: {self._name(gi, pi)} has a gradient on {int(flags[k, 0])} rank(s) and none on "
+                    f"{int(flags[k, 1])}; every rank must produce the same set of gradients (unused parameters "
+                    "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
+                )
+        bad = [k for k in range(len(items)) if flags[k, 2]]
+        if bad:
+            gi, pi, _ = items[bad[0]]
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"ds_muon: non-finite gradient in {self._name(gi, pi)} (and {len(bad) - 1} more); nothing "
+                    "was changed. Pass nonfinite='skip' to skip such steps instead"
+                )
+            self.nonfinite_skips += 1
+            warnings.warn(
+                f"ds_muon: skipped step: non-finite gradient in {self._name(gi, pi)} "
+                f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=3)
+            return None
+        return {id(p) for k, (_, _, p) in enumerate(items) if flags[k, 0]}
+
+    def _adamw(self, group: dict, params: List[torch.Tensor]) -> None:
+        if not params:
+            return
+        st = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        functional_adamw(
+            params, [p.grad for p in params], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+            [], [s["step"] for s in st], foreach=group.get("foreach"), amsgrad=False, beta1=beta1,
+            beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )
+
+    def _muon(self, active: set) -> None:
+        group_of = {id(p): g for g in self.param_groups if g["use_muon"] for p in g["params"]}
+        for layout in self._layouts:
+            local: Dict[int, torch.Tensor] = {}
+            todo = []  # (matrix index, param view, group)
+            for i, (b, slot) in enumerate(layout.local):
+                p = b.param
+                if id(p) not in active:
+                    continue
+                g = group_of[id(p)]
+                todo.append(i)
+                if slot.piece is None or slot.piece.numel == 0:
+                    continue
+                sl = slice(slot.local_offset, slot.local_offset + slot.piece.numel)
+                grad = b.flat(p.grad)[sl]
+                param = b.flat(p)[sl]
+                buf = b.flat(self.state[p]["momentum_buffer"])[sl]
+                if g["weight_decay"] and g["weight_decay_mode"] == "l2":
+                    grad = grad.add(param, alpha=g["weight_decay"])
+                buf.lerp_(grad, 1 - g["momentum"])
+                local[i] = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+            if not todo:
+                continue
+            results = self._orthogonalize(layout, todo, local, group_of)
+            for i in todo:
+                b, slot = layout.local[i]
+                if i not in results:
+                    continue
+                g = group_of[id(b.param)]
+                param = b.flat(b.param)[slot.local_offset:slot.local_offset + slot.piece.numel]
+                lr = g["lr"]
+                if g["weight_decay"] and g["weight_decay_mode"] == "decoupled":
+                    param.mul_(1 - lr * g["weight_decay"])
+                rows, cols = slot.matrix_shape
+                scale = get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
+                param.add_(results[i].reshape(-1), alpha=-lr * scale)
+
+    def _orthogonalize(self, layout: Layout, todo: List[int], local, group_of) -> Dict[int, torch.Tensor]:
+        """Exchange in, NS at home (batched by shape and settings), exchange out."""
+        key = (id(layout), tuple(todo))
+        if key not in self._exchanges:
+            self._exchanges[key] = self._compile(layout, todo, group_of)
+        out: Dict[int, torch.Tensor] = {}
+        for ex, ns_of in self._exchanges[key]:
+            stacks = ex.gather(local)
+            results = {}
+            for skey, stack in stacks.items():
+                steps, coeffs, dtype, eps = ns_of[skey]
+                results[skey] = newton_schulz(stack, steps, coeffs, dtype, eps).contiguous()
+            out.update(ex.scatter(results))
+        return out
+
+    def _compile(self, layout: Layout, todo: List[int], group_of):
+        """Plan homes and build one Exchange per (gather, scatter) dtype pair."""
+        by_dtypes: Dict[tuple, List[int]] = {}
+        stack_key: Dict[int, Hashable] = {}
+        ns_of: Dict[Hashable, tuple] = {}
+        device = None
+        for i in todo:
+            b, _ = layout.local[i]
+            g = group_of[id(b.param)]
+            info = layout.matrices[i]
+            ns_dtype = g["ns_dtype"]
+            mom_dtype = b.flat(b.param).dtype
+            device = b.flat(b.param).device
+            if self.comm_dtype is not None:
+                dts = (self.comm_dtype, self.comm_dtype)
+            else:  # lossless: NS casts its input to ns_dtype first anyway
+                dts = (ns_dtype if _itemsize(ns_dtype) <= _itemsize(mom_dtype) else mom_dtype, ns_dtype)
+            by_dtypes.setdefault(dts, []).append(i)
+            coeffs, _ = resolve_coefficients(g["ns_coefficients"], g["ns_steps"])
+            skey = (info.rows, info.cols, g["ns_steps"], coeffs, ns_dtype, g["eps"])
+            stack_key[i] = skey
+            ns_of[skey] = (g["ns_steps"], g["ns_coefficients"], ns_dtype, g["eps"])
+        compiled = []
+        for (gdt, sdt), idx in by_dtypes.items():
+            if self.mode == "duplicated":
+                homes = {i: tuple(range(layout.world_size)) for i in idx}
+            else:
+                tasks = [
+                    MatrixTask(layout.matrices[i].rows, layout.matrices[i].cols,
+                               group_of[id(layout.local[i][0].param)]["ns_steps"], _itemsize(gdt),
+                               tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)))
+                    for i in idx
+                ]
+                plan = plan_homes(tasks, layout.world_size, self.planner, self.cost_model)
+                homes = {i: (h,) for i, h in zip(idx, plan.homes)}
+            compiled.append((Exchange(layout, idx, homes, stack_key, gdt, sdt, device), ns_of))
+        return compiled
+
+    # -- introspection --------------------------------------------------------
+    def exchanges(self) -> List[Exchange]:
+        """The compiled exchanges (for reports and tests)."""
+        return [ex for lst in self._exchanges.values() for ex, _ in lst]
+
+
+def _validate_group(group: dict, gi: int) -> None:
+    lr = group["lr"]
+    if not (isinstance(lr, (int, float)) or torch.is_tensor(lr)) or float(lr) < 0 or not math.isfinite(float(lr)):
+        raise ValueError(f"param_groups[{gi}]: lr must be a finite number >= 0, got {lr!r}")
+    if group["weight_decay"] < 0:
+        raise ValueError(f"param_groups[{gi}]: weight_decay must be >= 0, got {group['weight_decay']!r}")
+    for p in group["params"]:
+        if torch.is_complex(p):
+            raise ValueError(f"param_groups[{gi}]: complex parameter of shape {tuple(p.shape)}; ds_muon supports real tensors only")
+    if not group["use_muon"]:
+        b1, b2 = group["betas"]
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"param_groups[{gi}]: betas must lie in [0, 1), got {group['betas']!r}")
+        if group["eps"] < 0:
+            raise ValueError(f"param_groups[{gi}]: eps must be >= 0, got {group['eps']!r}")
+        return
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"param_groups[{gi}]: momentum must lie in [0, 1), got {group['momentum']!r}")
+    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
+        raise ValueError(
+            f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
+            f"use one of {list(WEIGHT_DECAY_MODES)}")
+    resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+    check_scale_mode(group["scale_mode"])
+    if group["eps"] <= 0:
+        raise ValueError(f"param_groups[{gi}]: eps (the NS normalisation floor) must be > 0, got {group['eps']!r}")
+    names = group.get("param_names")
+    for pi, p in enumerate(group["params"]):
+        if p.ndim < 2 and not _is_sharded_container(p):
+            name = names[pi] if names else f"params[{pi}]"
+            raise ValueError(
+                f"param_groups[{gi}] {name}: a Muon group holds a tensor of shape {tuple(p.shape)}; Muon "
+                "needs matrices (ndim >= 2). Build groups with ds_muon.muon_param_groups(model) or put "
+                "this tensor in a group with use_muon=False (AdamW)"
+            )
+
+
+def _is_sharded_container(p: torch.Tensor) -> bool:
+    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter, ZeRO partitions)."""
+    return hasattr(p, "_fqns") or hasattr(p, "ds_shape") or getattr(p, "_ds_muon_flat", False)
+
+
+def _placement_sig(p: torch.Tensor):
+    placements = getattr(p, "placements", None)
+    return (tuple(str(x) for x in placements), tuple(p.shape)) if placements is not None else tuple(p.shape)
+
+
+def _group_key(group):
+    return None if group is None else id(group)
+
+
+def _comm_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -65,7 +65,7 @@ class Exchange:
         self.self_gather: List[_Segment] = []  # pieces r holds of matrices it is home of
         send_s = [[] for _ in range(self.world)]
         recv_s = [[] for _ in range(self.world)]
-        any_traffic = False
+        gather_traffic = scatter_traffic = False
         for i in self.active:
             info = layout.matrices[i]
             hs = homes[i]
@@ -76,7 +76,7 @@ class Exchange:
                             self.self_gather.append(_Segment(i, piece))
                         continue
                     src = holders[(i + hk) % len(holders)]
-                    any_traffic = True
+                    gather_traffic = True
                     if src == r:
                         send_g[h].append(_Segment(i, piece))
                     if h == r:
@@ -85,12 +85,14 @@ class Exchange:
                 if piece is None or piece.numel == 0 or d in hs:
                     continue
                 src = hs[d % len(hs)]
-                any_traffic = True
+                scatter_traffic = True
                 if src == r:
                     send_s[d].append(_Segment(i, piece))
                 if d == r:
                     recv_s[src].append(_Segment(i, piece))
-        self.any_traffic = any_traffic and self.world > 1
+        # Known identically on every rank, so skipping a collective never deadlocks.
+        self.gather_traffic = gather_traffic and self.world > 1
+        self.scatter_traffic = scatter_traffic and self.world > 1
         self.send_g, self.recv_g, self.send_s, self.recv_s = send_g, recv_g, send_s, recv_s
         sizes = lambda segs: [sum(s.piece.numel for s in lst) for lst in segs]  # noqa: E731
         self.split_send_g, self.split_recv_g = sizes(send_g), sizes(recv_g)
@@ -117,7 +119,7 @@ class Exchange:
             stacks[key] = torch.empty((len(idx), info.rows, info.cols), dtype=self.gather_dtype, device=self.device)
         for seg in self.self_gather:
             self._home_view(stacks, seg).copy_(local[seg.matrix].view(seg.piece.rows, seg.piece.length))
-        if not self.any_traffic:
+        if not self.gather_traffic:
             return stacks
         send = self._pack(self.send_g, self.split_send_g, self.gather_dtype,
                           lambda seg: local[seg.matrix])
@@ -141,7 +143,7 @@ class Exchange:
             piece = mine[i].pieces[self.rank]
             if piece is not None and piece.numel > 0 and self.rank in self.homes[i]:
                 out[i] = self._home_view(results, _Segment(i, piece))
-        if not self.any_traffic:
+        if not self.scatter_traffic:
             return out
         send = self._pack(self.send_s, self.split_send_s, self.scatter_dtype,
                           lambda seg: self._home_view(results, seg))

@@ -212,3 +212,21 @@ def _check_cover(info: MatrixInfo) -> None:
         raise ValueError(
             f"ds_muon: the pieces of matrix {info.key!r} (shape {info.shape}) cover {pos} of {numel} elements"
         )
+
+
+def slots_in_range(tensors: Sequence[Tuple[str, Tuple[int, ...], int]], lo: int, hi: int) -> List[MatrixSlot]:
+    """Slots for matrices laid end to end in a flat buffer of which a rank holds ``[lo, hi)``.
+
+    ``tensors`` lists ``(key, shape, offset in the flat buffer)``.  Local offsets are
+    relative to ``lo``.  Matrices outside the range get a slot with ``piece=None`` so
+    every rank lists every matrix (FSDP1 flat parameters, ZeRO-1/2 flat groups).
+    """
+    slots = []
+    for key, shape, start in tensors:
+        numel = math.prod(shape)
+        a, b = max(lo, start), min(hi, start + numel)
+        if a < b:
+            slots.append(MatrixSlot(key, tuple(shape), Piece(a - start, b - a), a - lo))
+        else:
+            slots.append(MatrixSlot(key, tuple(shape), None, 0))
+    return slots

@@ -106,6 +106,7 @@ class Muon(Optimizer):
         self._bindings: Dict[int, ParamBinding] = {}
         self._binding_sig: Optional[tuple] = None
         self._layouts: List[Layout] = []
+        self._resolved: Dict[tuple, tuple] = {}
         self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -125,7 +126,8 @@ class Muon(Optimizer):
         if "ns_dtype" in group:
             group["ns_dtype"] = _dtype(group["ns_dtype"], "ns_dtype")
         _validate_group(group, len(self.param_groups) - 1)
-        self._binding_sig = None
+        if hasattr(self, "_resolved"):
+            self.invalidate_layouts()
 
     def _name(self, gi: int, pi: int) -> str:
         names = self.param_groups[gi].get("param_names")
@@ -133,26 +135,40 @@ class Muon(Optimizer):
 
     # -- bindings and layouts (rebuilt when parameters change) ----------------
     def _resolve(self) -> None:
+        """Bindings and Layouts for the Muon tensors now in ``param_groups``.
+
+        Cached per set of tensors (and their placements): a stack that swaps
+        parameters (accelerate, FSDP2 built after the optimizer) gets new layouts;
+        one that narrows ``param_groups`` per call (DeepSpeed) reuses each set's.
+        """
         sig = tuple(
             (id(p), _placement_sig(p)) for g in self.param_groups if g["use_muon"] for p in g["params"]
         )
         if sig == self._binding_sig:
             return
-        from .integrations import default_binder
+        if sig not in self._resolved:
+            from .integrations import default_binder
 
-        binder = self.binder or default_binder
-        self._bindings = {}
-        by_group: Dict[object, list] = {}
-        for gi, g in enumerate(self.param_groups):
-            if not g["use_muon"]:
-                continue
-            for pi, p in enumerate(g["params"]):
-                b = binder(self, p, self._name(gi, pi))
-                self._bindings[id(p)] = b
-                by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend((b, s) for s in b.matrices)
-        self._layouts = [build_layout(entries, group) for group, entries in by_group.values()]
-        self._exchanges = {}
+            binder = self.binder or default_binder
+            bindings: Dict[int, ParamBinding] = {}
+            by_group: Dict[object, tuple] = {}
+            for gi, g in enumerate(self.param_groups):
+                if not g["use_muon"]:
+                    continue
+                for pi, p in enumerate(g["params"]):
+                    b = binder(self, p, self._name(gi, pi))
+                    bindings[id(p)] = b
+                    by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend((b, s) for s in b.matrices)
+            layouts = [build_layout(entries, group) for group, entries in by_group.values()]
+            self._resolved[sig] = (bindings, layouts)
+        self._bindings, self._layouts = self._resolved[sig]
         self._binding_sig = sig
+
+    def invalidate_layouts(self) -> None:
+        """Forget every binding, layout and compiled exchange (after re-sharding)."""
+        self._resolved.clear()
+        self._exchanges.clear()
+        self._binding_sig = None
 
     # -- the step -------------------------------------------------------------
     @torch.no_grad()

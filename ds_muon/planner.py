@@ -138,7 +138,7 @@ def task_traffic(t: MatrixTask, home: int) -> Dict[int, Tuple[float, float]]:
     held_elsewhere = sum(n for _, n in others)
     missing = t.numel - (t.held[home] if home < len(t.held) else 0)
     frac = missing / held_elsewhere if held_elsewhere else 0.0
-    out = {home: (float(held_elsewhere), float(missing + held_elsewhere))}
+    out = {home: (float(held_elsewhere), float(missing))}
     for r, n in others:
         out[r] = (n * frac, float(n))
     return out

@@ -1,0 +1,327 @@
+"""Single-process maths: the numbers every sharded run must reproduce bitwise."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ds_muon
+from ds_muon.newton_schulz import KELLER, POLAR_EXPRESS, QUINTIC, resolve_coefficients
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 10))
+
+
+def train(model, opts, steps=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 24, generator=g)
+        y = torch.randn(16, 10, generator=g)
+        for o in opts:
+            o.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        for o in opts:
+            o.step()
+
+
+# -- parity with torch's own optimizers ---------------------------------------------------------
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_matches_torch_muon(nesterov, wd):
+    a, b = mlp(), mlp()
+    mats_a = [p for p in a.parameters() if p.ndim == 2]
+    mats_b = [p for p in b.parameters() if p.ndim == 2]
+    ours = ds_muon.Muon(mats_a, lr=0.02, momentum=0.95, nesterov=nesterov, weight_decay=wd)
+    ref = torch.optim.Muon(mats_b, lr=0.02, momentum=0.95, nesterov=nesterov, weight_decay=wd,
+                           adjust_lr_fn="original")
+    train(a, [ours])
+    train(b, [ref])
+    for pa, pb in zip(mats_a, mats_b):
+        # same bf16 iteration; allow bf16-level differences in the update
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0.02 * 4 * 1e-2)
+
+
+def test_adamw_groups_bitwise_equal_torch_adamw():
+    a, b = mlp(), mlp()
+    groups = ds_muon.muon_param_groups(a, lr=0.02, adam_lr=1e-3, adam_weight_decay=0.05)
+    ours = ds_muon.Muon(groups, adam_betas=(0.9, 0.99), adam_eps=1e-7)
+    vecs_b = [p for p in b.parameters() if p.ndim < 2]
+    mats_b = [p for p in b.parameters() if p.ndim == 2]
+    ref_adam = torch.optim.AdamW(vecs_b, lr=1e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
+    ref_muon = ds_muon.Muon(mats_b, lr=0.02)
+    train(a, [ours])
+    train(b, [ref_adam, ref_muon])
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def test_param_groups_rules():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.proj = nn.Linear(16, 16)
+            self.norm = nn.LayerNorm(16)
+            self.conv = nn.Conv1d(16, 8, 3)
+            self.lm_head = nn.Linear(16, 50, bias=False)
+            self.classifier = nn.Linear(16, 3)
+
+    m = Tiny()
+    muon, adam = ds_muon.muon_param_groups(m, lr=0.01, adam_lr=1e-3)
+    assert muon["use_muon"] and not adam["use_muon"]
+    assert muon["param_names"] == ["proj.weight", "conv.weight"]
+    assert set(adam["param_names"]) == {"embed.weight", "proj.bias", "norm.weight", "norm.bias", "conv.bias",
+                                        "lm_head.weight", "classifier.weight", "classifier.bias"}
+    assert muon["lr"] == 0.01 and adam["lr"] == 1e-3
+    # tied head: the weight shared with the embedding goes to AdamW whatever its module is called
+    m.proj2 = nn.Linear(16, 50, bias=False)
+    m.proj2.weight = m.embed.weight
+    muon, adam = ds_muon.muon_param_groups(m)
+    assert "embed.weight" in adam["param_names"] and all(p is not m.embed.weight for p in muon["params"])
+    # head names are overridable
+    muon, _ = ds_muon.muon_param_groups(m, head_names=("classifier",))
+    assert "lm_head.weight" in muon["param_names"]
+
+
+def test_conv_weight_orthogonalized_as_matrix():
+    conv = nn.Conv2d(4, 6, 3)
+    p = conv.weight
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    opt = ds_muon.Muon([p], lr=0.1, momentum=0.0, nesterov=False, ns_dtype=torch.float32)
+    opt.step()
+    expected = before - 0.1 * ds_muon.newton_schulz(p.grad.reshape(6, 36), dtype=torch.float32).reshape(p.shape)
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+
+
+# -- Newton–Schulz -------------------------------------------------------------------------
+
+def ns_float64(G, coeffs, norm_scale=1.0, eps=1e-7):
+    X = G.double()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (X.norm() * norm_scale).clamp(min=eps)
+    for a, b, c in coeffs:
+        A = X @ X.T
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.T if tall else X
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (24, 64), (64, 24)])
+@pytest.mark.parametrize("schedule", ["keller", "quintic", "polar_express"])
+def test_fp32_against_float64(shape, schedule):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    coeffs, norm_scale = resolve_coefficients(schedule, 5)
+    want = ns_float64(G, coeffs, norm_scale)
+    got = ds_muon.newton_schulz(G, 5, schedule, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == G.shape
+    rel = (got.double() - want).norm() / want.norm()
+    assert rel < 1e-4, rel
+
+
+def test_batched_equals_one_by_one():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        G = torch.randn(5, 20, 36)
+        batched = ds_muon.newton_schulz(G)
+        for k in range(5):
+            assert torch.equal(batched[k], ds_muon.newton_schulz(G[k]))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_polar_express_singular_values_near_one():
+    G = torch.randn(96, 48, generator=torch.Generator().manual_seed(0))
+    O = ds_muon.newton_schulz(G, steps=8, coefficients="polar_express", dtype=torch.float32)
+    s = torch.linalg.svdvals(O)
+    assert (s - 1).abs().max() < 0.05, s
+
+
+def test_schedules_as_designed():
+    assert resolve_coefficients("keller", 3)[0] == (KELLER,) * 3
+    assert resolve_coefficients("quintic", 7)[0] == QUINTIC + (QUINTIC[-1],) * 2
+    pe, scale = resolve_coefficients("polar_express", 8)
+    assert scale == 1.01 and pe[-1] == (1.875, -1.25, 0.375)
+    assert pe[0] == pytest.approx((8.28721201814563 / 1.01, -23.595886519098837 / 1.01**3,
+                                   17.300387312530933 / 1.01**5))
+    assert resolve_coefficients((1.0, 2.0, 3.0), 2)[0] == ((1.0, 2.0, 3.0),) * 2
+    assert resolve_coefficients([(1, 2, 3), (4, 5, 6)], 3)[0] == ((1, 2, 3), (4, 5, 6), (4, 5, 6))
+
+
+def test_zero_matrix_stays_finite():
+    O = ds_muon.newton_schulz(torch.zeros(8, 4))
+    assert torch.isfinite(O).all() and O.abs().max() == 0
+
+
+# -- scale factors ------------------------------------------------------------------------
+
+def test_scale_factors():
+    f = ds_muon.get_muon_scale_factor
+    assert f(1024, 256) == 2.0 and f(256, 1024) == 1.0
+    assert f(1024, 256, "spectral") == 32.0
+    assert f(1024, 256, "spectral", 0.2) == pytest.approx(6.4)
+    assert f(256, 1024, "unit_rms_norm") == 0.5
+    assert f(7, 3, "none", 3.0) == 3.0
+    with pytest.raises(ValueError, match="scale_mode"):
+        f(4, 4, "bogus")
+
+
+def test_scale_applied_from_logical_shape():
+    p = nn.Parameter(torch.zeros(64, 16))
+    p.grad = torch.randn(64, 16)
+    opt = ds_muon.Muon([p], lr=1.0, momentum=0.0, nesterov=False, scale_mode="spectral",
+                       extra_scale_factor=0.5, ns_dtype=torch.float32)
+    opt.step()
+    O = ds_muon.newton_schulz(p.grad, dtype=torch.float32)
+    torch.testing.assert_close(p.detach(), -0.5 * 8.0 * O, rtol=0, atol=1e-6)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=-1.0), "lr"),
+    (dict(momentum=1.0), "momentum"),
+    (dict(momentum=-0.1), "momentum"),
+    (dict(ns_steps=0), "ns_steps"),
+    (dict(scale_mode="huge"), "scale_mode"),
+    (dict(ns_coefficients="magic"), "ns_coefficients"),
+    (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients"),
+    (dict(weight_decay_mode="l1"), "weight_decay_mode"),
+    (dict(mode="fast"), "mode"),
+    (dict(ns_dtype="int8"), "ns_dtype"),
+    (dict(nonfinite="ignore"), "nonfinite"),
+])
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ds_muon.Muon([nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+def test_vector_in_muon_group_names_shape_and_helper():
+    with pytest.raises(ValueError, match=r"\(7,\).*muon_param_groups"):
+        ds_muon.Muon([nn.Parameter(torch.zeros(7))])
+
+
+def test_complex_and_sparse_rejected():
+    with pytest.raises(ValueError, match="complex"):
+        ds_muon.Muon([nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))])
+    p = nn.Parameter(torch.zeros(4, 3))
+    opt = ds_muon.Muon([p])
+    p.grad = torch.zeros(4, 3).to_sparse()
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+
+
+# -- non-finite gradients: atomic ------------------------------------------------------------
+
+def _nan_setup():
+    model = mlp()
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-3))
+    train(model, [opt], steps=1)
+    model.zero_grad()
+    nn.functional.mse_loss(model(torch.randn(4, 24)), torch.randn(4, 10)).backward()
+    model[2].bias.grad[3] = float("inf")  # an AdamW tensor, after the Muon ones in group order
+    snapshot = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    return model, opt, snapshot
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def test_nonfinite_raises_before_anything_changes():
+    model, opt, snapshot = _nan_setup()
+    with pytest.raises(FloatingPointError, match=r"2\.bias"):
+        opt.step()
+    assert _same((model.state_dict(), opt.state_dict()), snapshot)
+
+
+def test_nonfinite_skip_counts_and_warns():
+    model, opt, snapshot = _nan_setup()
+    opt.nonfinite = "skip"
+    with pytest.warns(RuntimeWarning, match="skipped step"):
+        opt.step()
+    assert opt.nonfinite_skips == 1
+    assert _same((model.state_dict(), opt.state_dict()), snapshot)
+
+
+# -- closure and resume --------------------------------------------------------------------
+
+def test_closure_runs_with_grad_enabled():
+    model = mlp()
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model))
+    x, y = torch.randn(4, 24), torch.randn(4, 10)
+
+    def closure():
+        assert torch.is_grad_enabled()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert loss.item() > 0
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_resume_bitwise(ns_dtype, tmp_path):
+    straight = mlp()
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(straight, adam_lr=1e-3, weight_decay=0.01), ns_dtype=ns_dtype)
+    train(straight, [opt], steps=4, seed=5)
+
+    first = mlp()
+    opt1 = ds_muon.Muon(ds_muon.muon_param_groups(first, adam_lr=1e-3, weight_decay=0.01), ns_dtype=ns_dtype)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(16, 24, generator=g), torch.randn(16, 10, generator=g)) for _ in range(4)]
+
+    def run(model, o, bs):
+        for x, y in bs:
+            o.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+
+    run(first, opt1, batches[:2])
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, tmp_path / "ckpt.pt")
+    ck = torch.load(tmp_path / "ckpt.pt")
+    resumed = mlp(seed=123)
+    opt2 = ds_muon.Muon(ds_muon.muon_param_groups(resumed, adam_lr=1e-3, weight_decay=0.01), ns_dtype=ns_dtype)
+    resumed.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    run(resumed, opt2, batches[2:])
+    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_l2_weight_decay_differs_from_decoupled():
+    outs = []
+    for mode in ("decoupled", "l2"):
+        model = mlp()
+        opt = ds_muon.Muon([p for p in model.parameters() if p.ndim == 2], weight_decay=0.5,
+                           weight_decay_mode=mode, ns_dtype=torch.float32)
+        train(model, [opt], steps=2)
+        outs.append(model[0].weight.detach().clone())
+    assert not torch.equal(*outs)
+    # l2 adds wd·p to the gradient before momentum: check one step against the formula
+    p = nn.Parameter(torch.randn(6, 4))
+    g = torch.randn(6, 4)
+    p.grad = g.clone()
+    p0 = p.detach().clone()
+    opt = ds_muon.Muon([p], lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.5, weight_decay_mode="l2",
+                       ns_dtype=torch.float32)
+    opt.step()
+    buf = (g + 0.5 * p0) * (1 - 0.9)
+    expected = p0 - 0.1 * math.sqrt(6 / 4) * ds_muon.newton_schulz(buf, dtype=torch.float32)
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)

@@ -156,6 +156,8 @@ class Muon(Optimizer):
                 if not g["use_muon"]:
                     continue
                 for pi, p in enumerate(g["params"]):
+                    if self.binder is None and p.ndim < 2 and not _is_sharded_container(p):
+                        raise RuntimeError(_unbound_message(self._name(gi, pi), p))
                     b = binder(self, p, self._name(gi, pi))
                     bindings[id(p)] = b
                     by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend((b, s) for s in b.matrices)
@@ -407,6 +409,17 @@ def _validate_group(group: dict, gi: int) -> None:
                 "needs matrices (ndim >= 2). Build groups with ds_muon.muon_param_groups(model) or put "
                 "this tensor in a group with use_muon=False (AdamW)"
             )
+
+
+def _unbound_message(name: str, p: torch.Tensor) -> str:
+    """A 1-D tensor in a Muon group that no integration described: a stack swapped it in."""
+    from .integrations.deepspeed import HOW_TO_BIND
+
+    return (
+        f"ds_muon: {name} is a 1-D tensor of {p.numel()} elements in a Muon group: a training stack replaced "
+        "the parameters with flat partitions ds_muon was not told about, and running Muon on them would "
+        "orthogonalize the wrong thing. With DeepSpeed: " + HOW_TO_BIND
+    )
 
 
 def _is_sharded_container(p: torch.Tensor) -> bool:

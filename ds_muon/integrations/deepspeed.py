@@ -1,0 +1,214 @@
+"""DeepSpeed: where ZeRO put each matrix, read from DeepSpeed's own metadata.
+
+DeepSpeed wraps the client optimizer and replaces the tensors in its
+``param_groups`` with flat fp32 partitions (one per param group, or per ZeRO-3
+sub-group) before calling ``step()``.  :func:`bind` installs a binder on the
+:class:`~ds_muon.Muon` inside an engine that maps each such partition to a
+:class:`~ds_muon.layout.ParamBinding`:
+
+* ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: every
+  low-precision parameter of the group carries ``_hp_mapping`` (None when the
+  rank holds none of it); ``lp_fragment_address.start`` is where this rank's
+  fragment starts in the parameter's flattening, ``hp_fragment_address.start``
+  where it sits in the flat fp32 partition.
+* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): ``grad_position[param_id] =
+  (sub_group, offset, numel)`` places each parameter's ``ds_tensor`` in the
+  sub-group's flat fp32 partition; the rank holds elements
+  ``[rank·ds_tensor.ds_numel, …)`` of the parameter, whose shape is
+  ``ds_shape`` (``p.shape`` is ``(0,)`` outside forward).
+* Stage 0 (no ZeRO, fp32): the client optimizer steps the model's own replicated
+  parameters; they are bound as replicas over the data-parallel group.
+
+Nothing here computes offsets of its own: a misdescribed partition would fail
+in :func:`~ds_muon.layout.build_layout`, not corrupt the update.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..layout import MatrixSlot, ParamBinding, Piece
+from .local import bind_replicated
+
+HOW_TO_BIND = (
+    "build the engine with ds_muon.deepspeed.initialize(model=..., config=...) (config entry "
+    '"optimizer": {"type": "DsMuon", ...}), or call ds_muon.integrations.deepspeed.bind(engine) right '
+    "after deepspeed.initialize(...) / accelerator.prepare(...) (pass the engine, i.e. the prepared model)"
+)
+
+
+def _flat_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1)
+
+
+class _DeepSpeedBinder:
+    """Maps the tensors DeepSpeed hands to ``Muon.step`` to bindings."""
+
+    def __init__(self, engine, muon):
+        self.engine = engine
+        self.muon = muon
+        self.wrapper = engine.optimizer
+        self.names: Dict[torch.Tensor, str] = dict(getattr(engine, "param_names", None) or {})
+        self.kind, self.flats = self._describe()
+
+    # -- what DeepSpeed built ---------------------------------------------------
+    def _describe(self) -> Tuple[str, Dict[int, int]]:
+        w = self.wrapper
+        if w is self.muon:
+            return "replicated", {}
+        if hasattr(w, "fp32_partitioned_groups_flat") and hasattr(w, "grad_position"):
+            flats = w.fp32_partitioned_groups_flat
+            kind = "zero3"
+        elif hasattr(w, "single_partition_of_fp32_groups") and hasattr(w, "bit16_groups"):
+            flats = w.single_partition_of_fp32_groups
+            kind = "zero12"
+        elif hasattr(w, "fp32_groups_flat_partition") and hasattr(w, "bf16_groups"):
+            flats = w.fp32_groups_flat_partition
+            kind = "bf16"
+        else:
+            raise NotImplementedError(
+                f"ds_muon: DeepSpeed wrapped the optimizer in {type(w).__name__}, which ds_muon cannot describe "
+                "(supported: no wrapper (stage 0, fp32), DeepSpeedZeroOptimizer (ZeRO-1/2), BF16_Optimizer, "
+                "DeepSpeedZeroOptimizer_Stage3). With fp16/bf16 at stage 0, use ZeRO stage 1 or 2 instead"
+            )
+        if getattr(w, "cpu_offload", False) or getattr(w, "offload_optimizer", False):
+            raise NotImplementedError(
+                "ds_muon: ZeRO optimizer offload is not supported yet (the update must run where the flat fp32 "
+                "partition lives); remove offload_optimizer from zero_optimization")
+        return kind, {id(t): i for i, t in enumerate(flats)}
+
+    def _name(self, p: torch.Tensor, fallback: str) -> str:
+        return self.names.get(p, fallback)
+
+    # -- the binder -----------------------------------------------------------
+    def __call__(self, optimizer, param: torch.Tensor, name: str) -> ParamBinding:
+        if self.kind == "replicated":
+            return bind_replicated(param, self._name(param, name), _dp_group(self.engine))
+        i = self.flats.get(id(param))
+        if i is None:
+            raise RuntimeError(
+                f"ds_muon: {name} (shape {tuple(param.shape)}) is not one of the flat fp32 partitions DeepSpeed's "
+                f"{type(self.wrapper).__name__} built; the engine was rebuilt or the optimizer re-used. "
+                f"Bind the optimizer to the engine that steps it: {HOW_TO_BIND}")
+        if self.kind == "zero3":
+            return self._bind_zero3(param, i)
+        return self._bind_zero12(param, i)
+
+    def _bind_zero12(self, flat: torch.Tensor, i: int) -> ParamBinding:
+        w = self.wrapper
+        lps = w.bit16_groups[i] if self.kind == "zero12" else w.bf16_groups[i]
+        slots: List[MatrixSlot] = []
+        for j, lp in enumerate(lps):
+            key = self._name(lp, f"group{i}.param{j}")
+            if lp.numel() == 0:
+                continue
+            m = getattr(lp, "_hp_mapping", None)
+            if m is None:
+                slots.append(MatrixSlot(key, tuple(lp.shape), None, 0))
+                continue
+            lp_addr, hp_addr = m.lp_fragment_address, m.hp_fragment_address
+            if lp_addr.numel != hp_addr.numel:
+                raise RuntimeError(f"ds_muon: DeepSpeed's fragment of {key} has {lp_addr.numel} elements in the "
+                                   f"parameter and {hp_addr.numel} in the partition")
+            slots.append(MatrixSlot(key, tuple(lp.shape), Piece(int(lp_addr.start), int(lp_addr.numel)),
+                                    int(hp_addr.start)))
+        return ParamBinding(flat, _flat_view, slots, group=w.real_dp_process_group[i])
+
+    def _bind_zero3(self, flat: torch.Tensor, i: int) -> ParamBinding:
+        import torch.distributed as dist
+
+        w = self.wrapper
+        group = w.sub_group_process_groups[i] if hasattr(w, "sub_group_process_groups") else w.dp_process_group
+        rank = dist.get_rank(group=group)
+        slots: List[MatrixSlot] = []
+        for j, lp in enumerate(w.fp16_groups[i]):
+            key = self._name(lp, f"subgroup{i}.param{j}")
+            shape = tuple(lp.ds_shape)
+            sub, offset, part = w.grad_position[w.get_param_id(lp)]
+            if sub != i:
+                raise RuntimeError(f"ds_muon: DeepSpeed places {key} in sub-group {sub}, not {i}")
+            per_rank = int(lp.ds_tensor.ds_numel)
+            if per_rank != part:
+                raise RuntimeError(f"ds_muon: {key}: ds_tensor holds {per_rank} elements, grad_position {part}")
+            start = rank * per_rank
+            length = min(per_rank, int(lp.ds_numel) - start)
+            piece = Piece(start, length) if length > 0 else None
+            slots.append(MatrixSlot(key, shape, piece, int(offset) if piece else 0))
+        return ParamBinding(flat, _flat_view, slots, group=group)
+
+
+def _dp_group(engine):
+    for attr in ("seq_data_parallel_group", "data_parallel_group"):
+        g = getattr(engine, attr, None)
+        if g is not None:
+            return g
+    return None
+
+
+def _find_muon(engine):
+    from ..optimizer import Muon
+
+    for candidate in (getattr(engine, "basic_optimizer", None), getattr(engine, "optimizer", None),
+                      getattr(getattr(engine, "optimizer", None), "optimizer", None)):
+        if isinstance(candidate, Muon):
+            return candidate
+    return None
+
+
+def check_no_deepspeed_muon_tags(params, names: Optional[Dict] = None) -> None:
+    """DeepSpeed's ZeRO-1/2 runs *its own* Muon inside the gradient reduction for any
+    parameter tagged ``use_muon=True`` when the optimizer's class name contains "muon"
+    (ours does).  That would orthogonalize twice: refuse, naming the parameter."""
+    tagged = [p for p in params if getattr(p, "use_muon", False) is True]
+    if tagged:
+        name = (names or {}).get(tagged[0], f"a parameter of shape {tuple(tagged[0].shape)}")
+        raise ValueError(
+            f"ds_muon: {name} (and {len(tagged) - 1} more) carries DeepSpeed's own `use_muon=True` tensor "
+            "attribute (set by a config with \"type\": \"muon\" or by hand). DeepSpeed's ZeRO-1/2 would then run "
+            "its built-in Muon inside the gradient reduction on top of ds_muon. Use \"type\": \"DsMuon\" and "
+            "remove the attribute (del p.use_muon) on every parameter")
+
+
+def bind(engine, optimizer=None):
+    """Install the DeepSpeed binder on the ``ds_muon.Muon`` inside ``engine``; returns the Muon.
+
+    Call once, after ``deepspeed.initialize`` (``ds_muon.deepspeed.initialize`` does it
+    for you).  ``engine`` is the DeepSpeedEngine (with accelerate: the prepared model).
+    """
+    muon = optimizer if optimizer is not None else _find_muon(engine)
+    if muon is None:
+        raise ValueError(
+            f"ds_muon: {type(engine).__name__} holds no ds_muon.Muon (its optimizer is "
+            f"{type(getattr(engine, 'optimizer', None)).__name__}); pass the DeepSpeed engine that was built "
+            "with a ds_muon.Muon")
+    if not hasattr(engine, "optimizer"):
+        raise ValueError(f"ds_muon: bind() needs the DeepSpeed engine, got {type(engine).__name__}")
+    names = dict(getattr(engine, "param_names", None) or {})
+    check_no_deepspeed_muon_tags(list(engine.module.parameters()), names)
+    binder = _DeepSpeedBinder(engine, muon)
+    if binder.kind == "replicated":
+        mixed = getattr(engine, "bfloat16_enabled", lambda: False)() or getattr(engine, "fp16_enabled",
+                                                                                lambda: False)()
+        if mixed:
+            raise NotImplementedError(
+                "ds_muon: bf16/fp16 without ZeRO (stage 0) wraps the optimizer in a way ds_muon cannot "
+                "describe; use zero_optimization stage 1 or 2")
+    else:
+        for t in (binder.flats and _flats(binder)):
+            t._ds_muon_flat = True  # 1-D flat partitions that hold matrices
+    if muon.process_group is None:
+        muon.process_group = _dp_group(engine)
+    muon.binder = binder
+    muon.invalidate_layouts()
+    return muon
+
+
+def _flats(binder: _DeepSpeedBinder):
+    w = binder.wrapper
+    if binder.kind == "zero3":
+        return list(w.fp32_partitioned_groups_flat)
+    if binder.kind == "zero12":
+        return list(w.single_partition_of_fp32_groups)
+    return list(w.fp32_groups_flat_partition)

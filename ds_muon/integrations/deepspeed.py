@@ -58,6 +58,13 @@ class _DeepSpeedBinder:
         w = self.wrapper
         if w is self.muon:
             return "replicated", {}
+        if hasattr(w, "fp32_groups") and hasattr(w, "fp16_groups") and not hasattr(w, "fp32_groups_flat"):
+            # stage 0 with fp16/bf16 (FP16_UnfusedOptimizer): a full fp32 copy of every parameter
+            for lps, fps in zip(w.fp16_groups, w.fp32_groups):
+                for lp, fp in zip(lps, fps):
+                    if lp in self.names:
+                        self.names[fp] = self.names[lp]
+            return "replicated", {}
         if hasattr(w, "fp32_partitioned_groups_flat") and hasattr(w, "grad_position"):
             flats = w.fp32_partitioned_groups_flat
             kind = "zero3"
@@ -85,6 +92,9 @@ class _DeepSpeedBinder:
     # -- the binder -----------------------------------------------------------
     def __call__(self, optimizer, param: torch.Tensor, name: str) -> ParamBinding:
         if self.kind == "replicated":
+            if param.ndim < 2:
+                raise RuntimeError(f"ds_muon: {name} (shape {tuple(param.shape)}) reached a Muon group flattened by "
+                                   f"{type(self.wrapper).__name__}; ds_muon cannot describe that wrapper's layout")
             return bind_replicated(param, self._name(param, name), _dp_group(self.engine))
         i = self.flats.get(id(param))
         if i is None:
@@ -188,15 +198,8 @@ def bind(engine, optimizer=None):
     names = dict(getattr(engine, "param_names", None) or {})
     check_no_deepspeed_muon_tags(list(engine.module.parameters()), names)
     binder = _DeepSpeedBinder(engine, muon)
-    if binder.kind == "replicated":
-        mixed = getattr(engine, "bfloat16_enabled", lambda: False)() or getattr(engine, "fp16_enabled",
-                                                                                lambda: False)()
-        if mixed:
-            raise NotImplementedError(
-                "ds_muon: bf16/fp16 without ZeRO (stage 0) wraps the optimizer in a way ds_muon cannot "
-                "describe; use zero_optimization stage 1 or 2")
-    else:
-        for t in (binder.flats and _flats(binder)):
+    if binder.kind != "replicated":
+        for t in _flats(binder):
             t._ds_muon_flat = True  # 1-D flat partitions that hold matrices
     if muon.process_group is None:
         muon.process_group = _dp_group(engine)

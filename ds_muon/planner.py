@@ -179,54 +179,63 @@ def plan_homes(
 
 
 def _plan_locality(tasks: List[MatrixTask], world: int, cm: CostModel) -> List[int]:
-    """LPT order; per matrix, the home minimising the modelled busiest rank.
+    """Start where the stack put things, then move work off the slowest rank while it pays.
 
-    Candidates are the ranks holding part of the matrix and the least-loaded rank
-    that holds none of it (every non-holder costs the same traffic, so the
-    least-loaded one dominates the others).  O(n·(holders + log W)).
+    1. In LPT order, each matrix goes to the rank holding most of it (ties, e.g.
+       replicated DDP tensors: the least-loaded such rank) — zero or minimal traffic.
+    2. Repeatedly take the slowest rank (modelled NS + traffic seconds) and move the
+       one matrix whose move brings every rank it touches below that rank's time the
+       most; stop when no move shortens the step.  Candidate targets for a matrix
+       are its holders and the least-loaded rank overall.
     """
-    t_rank = [0.0] * world  # modelled seconds per rank so far
-    heap = [(0.0, r) for r in range(world)]  # lazy min-heap of (t_rank, rank)
-    homes = [0] * len(tasks)
-    busiest = 0.0
+    n = len(tasks)
+    homes = [0] * n
+    t_rank = [0.0] * world
+    per_home: Dict[int, Dict[int, float]] = {}
+
+    def costs(i: int, h: int) -> Dict[int, float]:
+        t = tasks[i]
+        per = {r: (sn + rc) * t.elem_bytes / cm.bytes_per_s for r, (sn, rc) in task_traffic(t, h).items()}
+        per[h] = per.get(h, 0.0) + t.flops / cm.flops_per_s
+        return per
+
     for i in _lpt_order(tasks):
         t = tasks[i]
-        ns_s = t.flops / cm.flops_per_s
-        holders = [r for r, n in enumerate(t.held) if n > 0]
-        holder_set = set(holders)
-        while heap and heap[0][0] != t_rank[heap[0][1]]:
-            heapq.heappop(heap)  # stale entry
-        candidates = list(holders)
-        if len(holders) < world:
-            # least loaded non-holder: pop stale/holder entries without losing them
-            kept = []
-            while heap:
-                load, r = heapq.heappop(heap)
-                if load != t_rank[r]:
-                    continue
-                kept.append((load, r))
-                if r not in holder_set:
-                    candidates.append(r)
-                    break
-            for e in kept:
-                heapq.heappush(heap, e)
-
-        def costs(h: int) -> Dict[int, float]:
-            per = {r: (sn + rc) * t.elem_bytes / cm.bytes_per_s for r, (sn, rc) in task_traffic(t, h).items()}
-            per[h] += ns_s
-            return per
-
-        def outcome(h: int):
-            per = costs(h)
-            worst = max(t_rank[r] + c for r, c in per.items())
-            moved = t.numel - t.held[h]
-            # the busiest rank after this choice; then fewer elements moved; then load; then rank
-            return (max(busiest, worst), moved, t_rank[h], h)
-
-        best = min(candidates, key=outcome)
-        homes[i] = best
-        for r, c in costs(best).items():
+        most = max(t.held) if t.held else 0
+        cands = [r for r, v in enumerate(t.held) if v == most and most > 0] or list(range(world))
+        h = min(cands, key=lambda r: (t_rank[r], r))
+        homes[i] = h
+        per_home[i] = costs(i, h)
+        for r, c in per_home[i].items():
             t_rank[r] += c
-            heapq.heappush(heap, (t_rank[r], r))
-            busiest = max(busiest, t_rank[r])
+
+    owned: Dict[int, set] = defaultdict(set)
+    for i, h in enumerate(homes):
+        owned[h].add(i)
+    for _ in range(4 * n + world):
+        b = max(range(world), key=lambda r: (t_rank[r], -r))
+        limit = t_rank[b]
+        best = None
+        idle = min(range(world), key=lambda r: (t_rank[r], r))
+        for i in sorted(owned[b]):
+            t = tasks[i]
+            old = per_home[i]
+            for h in {idle, *[r for r, v in enumerate(t.held) if v > 0]}:
+                if h == b:
+                    continue
+                new = costs(i, h)
+                touched = set(old) | set(new)
+                after = {r: t_rank[r] - old.get(r, 0.0) + new.get(r, 0.0) for r in touched}
+                worst = max(after.values())
+                if worst < limit * (1 - 1e-9) and (best is None or worst < best[0]):
+                    best = (worst, i, h, new, after)
+        if best is None:
+            break
+        _, i, h, new, after = best
+        for r, v in after.items():
+            t_rank[r] = v
+        owned[homes[i]].discard(i)
+        owned[h].add(i)
+        homes[i] = h
+        per_home[i] = new
     return homes

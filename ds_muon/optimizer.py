@@ -33,6 +33,7 @@ from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
 from .scaling import check_scale_mode, get_muon_scale_factor
 
 MODES = ("sharded", "duplicated")
+DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
 WEIGHT_DECAY_MODES = ("decoupled", "l2")
 NONFINITE = ("raise", "skip")
 
@@ -187,6 +188,8 @@ class Muon(Optimizer):
         for g in self.param_groups:
             if not g["use_muon"]:
                 self._adamw(g, [p for p in g["params"] if id(p) in active])
+            elif any(b.adam_ranges for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
+                self._adamw_ranges(g, [p for p in g["params"] if id(p) in active])
         self._muon(active)
         return loss
 
@@ -198,10 +201,19 @@ class Muon(Optimizer):
                 if g["use_muon"]:
                     if "momentum_buffer" not in st:
                         st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    b = self._bindings.get(id(p))
+                    if b is not None and b.adam_ranges and "exp_avg" not in st:  # mixed flat shard (FSDP1)
+                        st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    elif _fsdp1_view(p) and "exp_avg" not in st:
+                        st["exp_avg"], st["exp_avg_sq"] = _placeholder_like(p), _placeholder_like(p)
                 elif "exp_avg" not in st:
                     st["step"] = torch.tensor(0.0, dtype=torch.float32)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if _fsdp1_view(p):
+                        st["momentum_buffer"] = _placeholder_like(p)
 
     def _agreement_group(self):
         if not (dist.is_available() and dist.is_initialized()):
@@ -213,7 +225,11 @@ class Muon(Optimizer):
         g = p.grad
         if g is None:
             return None
-        return b.flat(g) if b is not None else g
+        return b.flat(g) if b is not None else _local(g)
+
+    def _local_numel(self, p: torch.Tensor) -> int:
+        b = self._bindings.get(id(p))
+        return b.flat(p).numel() if b is not None else _local(p).numel()
 
     def _check_gradients(self) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes.
@@ -227,7 +243,8 @@ class Muon(Optimizer):
         for k, (gi, pi, p) in enumerate(items):
             g = p.grad
             if g is None:
-                flags[k, 1] = 1
+                # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
+                flags[k, 1] = int(self._local_numel(p) > 0)
                 continue
             if g.is_sparse:
                 raise ValueError(f"ds_muon: {self._name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
@@ -268,14 +285,52 @@ class Muon(Optimizer):
         return {id(p) for k, (_, _, p) in enumerate(items) if flags[k, 0]}
 
     def _adamw(self, group: dict, params: List[torch.Tensor]) -> None:
+        params = self._skip_empty(params)
         if not params:
             return
         st = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         functional_adamw(
-            params, [p.grad for p in params], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
-            [], [s["step"] for s in st], foreach=group.get("foreach"), amsgrad=False, beta1=beta1,
-            beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            [_local(p) for p in params], [_local(p.grad) for p in params], [_local(s["exp_avg"]) for s in st],
+            [_local(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=False,
+        )
+
+    def _skip_empty(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Params with a gradient; a grad-less one (no local elements, FSDP1) only counts the step."""
+        out = []
+        for p in params:
+            if p.grad is None:
+                self.state[p]["step"] += 1
+            else:
+                out.append(p)
+        return out
+
+    def _adamw_ranges(self, group: dict, params: List[torch.Tensor]) -> None:
+        """AdamW on the ``adam_ranges`` slices of mixed flat shards in a Muon group (FSDP1).
+
+        Hyper-parameters: the group's ``adam_lr`` (default 3e-4, as in
+        ``muon_param_groups``), ``adam_betas``/``adam_eps`` (default the optimizer's),
+        ``adam_weight_decay`` (default 0).  One step count per tensor, shared by its slices.
+        """
+        views = ([], [], [], [], [])
+        for p in self._skip_empty([p for p in params if self._bindings[id(p)].adam_ranges]):
+            b, st = self._bindings[id(p)], self.state[p]
+            flats = [b.flat(t) for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+            for off, n in b.adam_ranges:
+                for lst, f in zip(views, flats):
+                    lst.append(f[off:off + n])
+                views[4].append(st["step"].clone())  # each slice steps its own copy ...
+            st["step"] += 1  # ... and the tensor's count moves once
+        if not views[0]:
+            return
+        beta1, beta2 = group.get("adam_betas", self.adam_betas)
+        functional_adamw(
+            views[0], views[1], views[2], views[3], [], views[4], foreach=group.get("foreach"), amsgrad=False,
+            beta1=beta1, beta2=beta2, lr=group.get("adam_lr", DEFAULT_ADAM_LR),
+            weight_decay=group.get("adam_weight_decay", 0.0), eps=group.get("adam_eps", self.adam_eps),
+            maximize=False,
         )
 
     def _muon(self, active: set) -> None:
@@ -423,8 +478,29 @@ def _unbound_message(name: str, p: torch.Tensor) -> str:
 
 
 def _is_sharded_container(p: torch.Tensor) -> bool:
-    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter, ZeRO partitions)."""
-    return hasattr(p, "_fqns") or hasattr(p, "ds_shape") or getattr(p, "_ds_muon_flat", False)
+    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions)."""
+    return (hasattr(p, "_fqns") or hasattr(p, "ds_shape") or getattr(p, "_ds_muon_flat", False)
+            or getattr(p, "_fsdp_flattened", False))  # FSDP1 use_orig_params=True: 1-D views
+
+
+def _fsdp1_view(p: torch.Tensor) -> bool:
+    """An original parameter FSDP1 (use_orig_params=True) flattened into a FlatParameter."""
+    return getattr(p, "_fsdp_flattened", False) and not hasattr(p, "_fqns")
+
+
+def _placeholder_like(p: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``p`` that take no memory (stride 0), for state keys a tensor never uses.
+
+    FSDP1's optim_state_dict (use_orig_params=True) gathers each state key over all
+    tensors of a FlatParameter, so Muon and AdamW tensors sharing one must hold the
+    same keys (momentum_buffer, exp_avg, exp_avg_sq).
+    """
+    return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (no collective); any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
 def _placement_sig(p: torch.Tensor):

@@ -114,6 +114,26 @@ def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any
     return Muon(groups, **muon_kw)
 
 
+def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any], Optional[Muon]]:
+    """``(config for DeepSpeed, Muon or None)`` from a config with or without a DsMuon entry.
+
+    For callers that hand the optimizer to ``deepspeed.initialize`` themselves (accelerate):
+    the returned config has the entry removed and ``zero_allow_untested_optimizer`` set; pass
+    the Muon as ``optimizer=`` and call ``ds_muon.integrations.deepspeed.bind(engine)`` after.
+    """
+    cfg = load_config(config)
+    if not is_dsmuon_entry(cfg):
+        return cfg, None
+    entry = cfg.pop("optimizer")
+    extra = sorted(set(entry) - {"type", "params"})
+    if extra:
+        raise ValueError(f'ds_muon: unknown key(s) {extra} in the "optimizer" entry; it takes "type" and "params"')
+    check_no_deepspeed_muon_tags(list(model.parameters()), {p: n for n, p in model.named_parameters()})
+    muon = build_optimizer(model, entry.get("params"))
+    cfg["zero_allow_untested_optimizer"] = True
+    return cfg, muon
+
+
 def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port: Optional[int] = None, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None):
@@ -147,12 +167,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
             raise ValueError(f'ds_muon: "type": "{OPTIMIZER_TYPE}" builds its groups with '
                              "ds_muon.muon_param_groups(model); drop model_parameters, or build "
                              "ds_muon.Muon(your_groups, ...) yourself and pass it as optimizer=")
-        entry = cfg.pop("optimizer")
-        extra = sorted(set(entry) - {"type", "params"})
-        if extra:
-            raise ValueError(f'ds_muon: unknown key(s) {extra} in the "optimizer" entry; it takes "type" and "params"')
-        check_no_deepspeed_muon_tags(list(model.parameters()), names)
-        optimizer = build_optimizer(model, entry.get("params"))
+        cfg, optimizer = optimizer_from_config(model, cfg)
     elif isinstance(optimizer, Muon):
         if "optimizer" in cfg:
             raise ValueError('ds_muon: a ds_muon.Muon was passed and the config has an "optimizer" entry too; '
@@ -174,4 +189,4 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     return out
 
 
-__all__ = ["initialize", "build_optimizer", "parse_params", "accepted_params", "load_config", "bind", "HOW_TO_BIND"]
+__all__ = ["initialize", "optimizer_from_config", "build_optimizer", "parse_params", "accepted_params", "load_config", "bind", "HOW_TO_BIND"]

@@ -180,6 +180,15 @@ def _load(cfg, model, opt, path):
         opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, state["optim"]))
 
 
+def _count_collectives(fn):
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    names = [e.name for e in prof.events()]
+    return {op: sum(1 for n in names if n.startswith((f"gloo:{op}", f"nccl:{op}"))) for op in ("all_to_all", "all_reduce")}
+
+
 def _state_keys(opt):
     return sorted({k for st in opt.state.values() for k in st})
 
@@ -190,11 +199,16 @@ def _worker(rank, world, cfg, ckpt):
     out = {}
     model, opt, storage = _build(cfg, world)
     before = storage()
-    _train(model, opt, data[:PARITY_STEPS])
+    _train(model, opt, data[:PARITY_STEPS - 1])
+    loss = lm_loss(model, data[PARITY_STEPS - 1])
+    loss.backward()
+    out["collectives"] = _count_collectives(opt.step)
+    opt.zero_grad(set_to_none=True)
     out["params"] = _full_params(cfg, model)
     out["same_storage"] = storage() == before and len(before) > 0
     out["state_keys"] = _state_keys(opt)
     out["exchanges"] = len(opt.exchanges())
+    out["split"] = any(len(m.distinct_pieces()) > 1 for layout in opt._layouts for m in layout.matrices)
     if ckpt:
         _train(model, opt, data[PARITY_STEPS:4])
         straight = _full_params(cfg, model)
@@ -233,6 +247,10 @@ def _check_parity(results, ref, exact, atol=1e-5):
                 torch.testing.assert_close(got[name], want, rtol=0, atol=atol, msg=f"rank {rank} {name}")
         assert res["same_storage"], f"rank {rank}: FSDP's shard storage was replaced"
         assert res["exchanges"] > 0
+        # one agreement all_reduce; all matrices together move in one all_to_all each way (none
+        # needed when every matrix happens to sit whole on one rank, as FSDP1 at W=3 cuts this model)
+        c = res["collectives"]
+        assert c["all_reduce"] == 1 and (c["all_to_all"] == 2 if res["split"] else c["all_to_all"] <= 2), c
 
 
 def _check_extras(results):

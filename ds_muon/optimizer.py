@@ -250,11 +250,12 @@ class Muon(Optimizer):
                 raise ValueError(f"ds_muon: {self._name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
             flags[k, 0] = 1
             lg = self._local_grad(p)
-            checks.append((k, torch.isfinite(lg).all() if lg.numel() else None))
-        finite = [c for c in checks if c[1] is not None]
-        if finite:
-            ok = torch.stack([c for _, c in finite]).cpu()
-            for (k, _), good in zip(finite, ok.tolist()):
+            if lg.numel():
+                # min and max in one pass: NaN and ±inf both show up in them
+                checks.append((k, torch.stack(torch.aminmax(lg))))
+        if checks:
+            ok = torch.isfinite(torch.stack([c for _, c in checks])).all(dim=1).cpu()
+            for (k, _), good in zip(checks, ok.tolist()):
                 flags[k, 2] = int(not good)
         group, world = self._agreement_group()
         if world > 1:

@@ -12,3 +12,12 @@ __all__ = [
     "Layout", "MatrixSlot", "ParamBinding", "Piece", "CostModel", "MatrixTask", "Plan", "plan_homes",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # ``ds_muon.deepspeed`` without importing DeepSpeed for users who do not use it
+    if name == "deepspeed":
+        import importlib
+
+        return importlib.import_module(".deepspeed", __name__)
+    raise AttributeError(f"module 'ds_muon' has no attribute {name!r}")

@@ -59,10 +59,17 @@ def muon_param_groups(
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
 
-    Groups record ``param_names`` so errors and reports can name tensors.
+    Groups record ``param_names`` so errors and reports can name tensors.  An
+    FSDP1-wrapped model is read through its flat parameters' metadata.
     ``head_names`` overrides which module names count as output heads; extra
     keyword arguments go into the Muon group (e.g. ``ns_steps=6``).
     """
+    from .integrations.fsdp import is_fsdp1_model
+
+    if is_fsdp1_model(model):  # FSDP1 hides original shapes: read them from its flat parameters
+        from .integrations.fsdp import fsdp_param_groups
+
+        return fsdp_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, **muon_options)
     muon, adam = split_params(model, head_names)
     if not muon and not adam:
         raise ValueError("muon_param_groups: the model has no trainable parameters")

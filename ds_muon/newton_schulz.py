@@ -87,14 +87,28 @@ def resolve_coefficients(coefficients: Coefficients, steps: int) -> Tuple[Tuple[
     return per_step, norm_scale
 
 
-def ns_flops(rows: int, cols: int, steps: int) -> float:
+NS_METHODS = ("standard", "gram")
+
+
+def ns_flops(rows: int, cols: int, steps: int, method: str = "standard") -> float:
     """Multiply-add FLOPs of ``steps`` iterations on one (rows, cols) matrix.
 
-    With m = min(rows, cols), n = max: X·Xᵀ is 2m²n, A·A is 2m³, B·X is 2m²n,
-    i.e. 4m²n + 2m³ per step.  The planner uses this as the cost of a matrix.
+    With m = min(rows, cols), n = max.  Standard: X·Xᵀ (2m²n), A·A (2m³) and
+    B·X (2m²n) per step.  Gram (where it is cheaper, see :func:`use_gram`): X·Xᵀ
+    and Q·X once (4m²n), then 8m³ per step on m×m matrices (4m³ on the last).
+    The planner uses this as the cost of a matrix.
     """
     m, n = min(rows, cols), max(rows, cols)
-    return float(steps) * (4.0 * m * m * n + 2.0 * m * m * m)
+    standard = float(steps) * (4.0 * m * m * n + 2.0 * m * m * m)
+    if method == "gram" and use_gram(rows, cols, steps):
+        return 4.0 * m * m * n + float(steps) * 8.0 * m**3 - 4.0 * m**3
+    return standard
+
+
+def use_gram(rows: int, cols: int, steps: int) -> bool:
+    """Whether the Gram iteration does fewer FLOPs than the standard one for this shape."""
+    m, n = min(rows, cols), max(rows, cols)
+    return 4.0 * m * m * n + steps * 8.0 * m**3 - 4.0 * m**3 < steps * (4.0 * m * m * n + 2.0 * m**3)
 
 
 def newton_schulz(
@@ -103,15 +117,21 @@ def newton_schulz(
     coefficients: Coefficients = "keller",
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
+    method: str = "standard",
 ) -> torch.Tensor:
     """Approximately orthogonalize each matrix in the last two dims of ``G``.
 
     Returns a tensor of G's shape in ``dtype``.  Runs on the wide orientation
     (transposes when rows > cols), normalises by each matrix's Frobenius norm
-    (clamped below by ``eps``) after casting to ``dtype``.
+    (clamped below by ``eps``) after casting to ``dtype``.  ``method="gram"``
+    iterates on the small Gram matrix where that is cheaper (opt-in: it is the
+    same polynomial, but rounds differently).  The loop reuses a fixed workspace:
+    no allocation per iteration.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
+    if method not in NS_METHODS:
+        raise ValueError(f"ns_method={method!r} is unknown; use one of {list(NS_METHODS)}")
     per_step, norm_scale = resolve_coefficients(coefficients, steps)
     X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
@@ -123,9 +143,54 @@ def newton_schulz(
     if norm_scale != 1.0:
         norm = norm * norm_scale
     X = X / norm.clamp(min=eps)
-    for a, b, c in per_step:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+    if method == "gram" and use_gram(X.size(-2), X.size(-1), steps):
+        X = _gram_iteration(X, per_step)
+    else:
+        X = _standard_iteration(X, per_step)
     X = X.reshape(*batch_shape, X.size(-2), X.size(-1))
     return X.mT if tall else X
+
+
+def _standard_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
+    """X ← aX + (bA + cA²)X with A = XXᵀ, on [batch, m, n] with m <= n."""
+    b_, m, n = X.shape
+    A = X.new_empty((b_, m, m))
+    B = X.new_empty((b_, m, m))
+    bufs = [X.new_empty((b_, m, n)), X.new_empty((b_, m, n))]  # contiguous, whatever X's strides
+    for k, (a, b, c) in enumerate(per_step):
+        torch.bmm(X, X.mT, out=A)
+        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+        X = torch.baddbmm(X, B, X, beta=a, out=bufs[k % 2])
+    return X
+
+
+def _gram_iteration(X: torch.Tensor, per_step, restart_every: int = 0) -> torch.Tensor:
+    """The same polynomial, carried on m×m matrices: X_k = Q_k X_0 with R_k = X_k X_kᵀ.
+
+    Each step Z = aI + bR + cR² (a polynomial in R, so all of them commute),
+    Q ← ZQ, R ← ZRZ.  One X·Xᵀ at the start and one Q·X at the end touch the
+    long side.  In 16-bit dtypes Q drifts from the iterate it stands for, so the
+    iteration restarts from X = QX every two steps (as Dao-AILab's Gram
+    Newton–Schulz does); with Polar Express's large early coefficients that
+    halves the error.  fp32 runs straight through.
+    """
+    if restart_every <= 0:
+        restart_every = 2 if X.element_size() <= 2 else len(per_step)
+    b_, m, _ = X.shape
+    eye = torch.eye(m, dtype=X.dtype, device=X.device).expand(b_, m, m)
+    R = torch.bmm(X, X.mT)
+    Q = None
+    Z = torch.empty_like(R)
+    T = torch.empty_like(R)
+    for k, (a, b, c) in enumerate(per_step):
+        if k and k % restart_every == 0 and Q is not None:
+            X = torch.bmm(Q, X)
+            torch.bmm(X, X.mT, out=R)
+            Q = None
+        # Z = aI + bR + cR²; the sum aI + B cancels heavily, so it is formed in one rounding
+        torch.baddbmm(torch.add(R, eye, alpha=a / b).mul_(b) if b else eye * a, R, R, alpha=c, out=Z)
+        Q = Z.clone() if Q is None else torch.bmm(Z, Q)
+        if k + 1 < len(per_step):
+            torch.bmm(Z, R, out=T)
+            torch.bmm(T, Z, out=R)
+    return torch.bmm(Q, X) if Q is not None else X

@@ -28,7 +28,7 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout
-from .newton_schulz import newton_schulz, resolve_coefficients
+from .newton_schulz import NS_METHODS, newton_schulz, resolve_coefficients
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
 from .scaling import check_scale_mode, get_muon_scale_factor
 
@@ -73,6 +73,7 @@ class Muon(Optimizer):
         weight_decay_mode: str = "decoupled",
         ns_steps: int = 5,
         ns_coefficients="keller",
+        ns_method: str = "standard",
         ns_dtype=torch.bfloat16,
         eps: float = 1e-7,
         scale_mode: str = "shape_scaling",
@@ -112,6 +113,7 @@ class Muon(Optimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+            ns_method=ns_method,
             ns_dtype=_dtype(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor, use_muon=True,
         )
@@ -381,8 +383,8 @@ class Muon(Optimizer):
             stacks = ex.gather(local)
             results = {}
             for skey, stack in stacks.items():
-                steps, coeffs, dtype, eps = ns_of[skey]
-                results[skey] = newton_schulz(stack, steps, coeffs, dtype, eps).contiguous()
+                steps, coeffs, dtype, eps, method = ns_of[skey]
+                results[skey] = newton_schulz(stack, steps, coeffs, dtype, eps, method).contiguous()
             out.update(ex.scatter(results))
         return out
 
@@ -405,9 +407,9 @@ class Muon(Optimizer):
                 dts = (ns_dtype if _itemsize(ns_dtype) <= _itemsize(mom_dtype) else mom_dtype, ns_dtype)
             by_dtypes.setdefault(dts, []).append(i)
             coeffs, _ = resolve_coefficients(g["ns_coefficients"], g["ns_steps"])
-            skey = (info.rows, info.cols, g["ns_steps"], coeffs, ns_dtype, g["eps"])
+            skey = (info.rows, info.cols, g["ns_steps"], coeffs, ns_dtype, g["eps"], g["ns_method"])
             stack_key[i] = skey
-            ns_of[skey] = (g["ns_steps"], g["ns_coefficients"], ns_dtype, g["eps"])
+            ns_of[skey] = (g["ns_steps"], g["ns_coefficients"], ns_dtype, g["eps"], g["ns_method"])
         compiled = []
         for (gdt, sdt), idx in by_dtypes.items():
             if self.mode == "duplicated":
@@ -416,7 +418,8 @@ class Muon(Optimizer):
                 tasks = [
                     MatrixTask(layout.matrices[i].rows, layout.matrices[i].cols,
                                group_of[id(layout.local[i][0].param)]["ns_steps"], _itemsize(gdt),
-                               tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)))
+                               tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)),
+                               group_of[id(layout.local[i][0].param)]["ns_method"])
                     for i in idx
                 ]
                 plan = plan_homes(tasks, layout.world_size, self.planner, self.cost_model)
@@ -453,6 +456,8 @@ def _validate_group(group: dict, gi: int) -> None:
             f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
             f"use one of {list(WEIGHT_DECAY_MODES)}")
     resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
     check_scale_mode(group["scale_mode"])
     if group["eps"] <= 0:
         raise ValueError(f"param_groups[{gi}]: eps (the NS normalisation floor) must be > 0, got {group['eps']!r}")

@@ -15,6 +15,7 @@ delivered whole stays where it is unless moving it pays.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class MatrixTask:
     steps: int = 5
     elem_bytes: int = 2
     held: Tuple[int, ...] = ()
+    method: str = "standard"
 
     @property
     def numel(self) -> int:
@@ -51,7 +53,7 @@ class MatrixTask:
 
     @property
     def flops(self) -> float:
-        return ns_flops(self.rows, self.cols, self.steps)
+        return ns_flops(self.rows, self.cols, self.steps, self.method)
 
 
 @dataclass
@@ -161,9 +163,8 @@ def plan_homes(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     cm = cost_model or CostModel()
-    tasks = [t if len(t.held) == world_size else MatrixTask(t.rows, t.cols, t.steps, t.elem_bytes,
-                                                            tuple(t.held) + (0,) * (world_size - len(t.held)))
-             for t in tasks]
+    tasks = [t if len(t.held) == world_size else dataclasses.replace(
+        t, held=tuple(t.held) + (0,) * (world_size - len(t.held))) for t in tasks]
     homes = [0] * len(tasks)
     if strategy == "round_robin":
         homes = [i % world_size for i in range(len(tasks))]

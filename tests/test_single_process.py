@@ -325,3 +325,51 @@ def test_l2_weight_decay_differs_from_decoupled():
     buf = (g + 0.5 * p0) * (1 - 0.9)
     expected = p0 - 0.1 * math.sqrt(6 / 4) * ds_muon.newton_schulz(buf, dtype=torch.float32)
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+
+
+# -- Gram Newton–Schulz (opt-in) --------------------------------------------------------------------
+
+def test_gram_matches_standard_iteration():
+    from ds_muon.newton_schulz import use_gram
+
+    g = torch.Generator().manual_seed(4)
+    for shape in [(64, 256), (256, 48)]:
+        assert use_gram(*shape, 5)
+        G = torch.randn(shape, generator=g)
+        ref = ns_float64(G, resolve_coefficients("keller", 5)[0])
+        fp32 = ds_muon.newton_schulz(G, dtype=torch.float32, method="gram")
+        assert ((fp32.double() - ref).norm() / ref.norm()) < 1e-4
+        bf16 = ds_muon.newton_schulz(G, dtype=torch.bfloat16, method="gram")
+        std = ds_muon.newton_schulz(G, dtype=torch.bfloat16)
+        err_gram = (bf16.double() - ref).norm() / ref.norm()
+        err_std = (std.double() - ref).norm() / ref.norm()
+        assert err_gram < 0.05 and err_gram < 3 * err_std, (err_gram, err_std)
+    # square: gram is not cheaper, so the standard iteration runs (bitwise the same)
+    G = torch.randn(32, 32, generator=g)
+    assert not use_gram(32, 32, 5)
+    assert torch.equal(ds_muon.newton_schulz(G, method="gram"), ds_muon.newton_schulz(G))
+
+
+def test_gram_restart_keeps_polar_express_accurate_in_bf16():
+    from ds_muon.newton_schulz import _gram_iteration
+
+    G = torch.randn(128, 512, generator=torch.Generator().manual_seed(5))
+    coeffs, scale = resolve_coefficients("polar_express", 8)
+    ref = ns_float64(G, coeffs, scale)
+    X = G.bfloat16()
+    X = (X / (X.norm() * scale))[None]
+    err = lambda out: ((out[0].double() - ref).norm() / ref.norm()).item()  # noqa: E731
+    restarted, straight = err(_gram_iteration(X, coeffs, 2)), err(_gram_iteration(X, coeffs, 100))
+    assert restarted < 0.8 * straight, (restarted, straight)
+
+
+def test_gram_method_in_optimizer_and_errors():
+    p = nn.Parameter(torch.randn(16, 64))
+    p.grad = torch.randn(16, 64)
+    q = nn.Parameter(p.detach().clone())
+    q.grad = p.grad.clone()
+    ds_muon.Muon([p], ns_method="gram", ns_dtype=torch.float32).step()
+    ds_muon.Muon([q], ns_dtype=torch.float32).step()
+    torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="ns_method"):
+        ds_muon.Muon([nn.Parameter(torch.zeros(3, 3))], ns_method="fast")

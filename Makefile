@@ -19,7 +19,7 @@ $(STAMP): setup.cfg pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/demo.py
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests

@@ -1,83 +1,60 @@
-"""The main job: a small GPT trained data-parallel on 2 CPU processes, ds_muon next to AdamW.
+"""The main job: the GPT of examples/gpt.py trained under FSDP2 on 2 CPU processes,
+with ds_muon and with AdamW at the same budget, final eval losses side by side.
 
-Run with ``torchrun --nproc_per_node 2 examples/demo.py`` (``make demo`` does).
-Each rank reads different batches of byte-level Python source; DDP averages
-gradients; ds_muon plans a home rank per matrix, moves what it must with one
-all_to_all each way and runs Newton–Schulz once per matrix.  Both optimizers
-get the same steps, data and seed; the final eval losses are printed side by side.
+``make demo`` runs this.  Each run is ``torchrun --standalone --nproc_per_node 2
+examples/train_gpt.py --stack fsdp2 ...``: the model's weights are DTensor shards,
+ds_muon plans a home rank for every matrix, gathers with one all_to_all, runs
+Newton–Schulz once per matrix and scatters back with one more.  Learning rates
+are the tuned ones recorded in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-sys.path.insert(0, os.path.dirname(__file__))
-import ds_muon  # noqa: E402
-from gpt import GPT, batch, evaluate, split, stdlib_bytes  # noqa: E402
-
-
-def train(name, make_opt, args, train_data, eval_data, rank, world):
-    torch.manual_seed(0)
-    model = GPT(d=args.d, layers=args.layers, seq=args.seq)
-    ddp = DDP(model)
-    opt = make_opt(model)
-    g = torch.Generator().manual_seed(100 + rank)
-    bar = tqdm(range(args.steps), desc=f"{name:>7}", disable=rank != 0, ncols=90)
-    t0 = time.perf_counter()
-    for step in bar:
-        x, y = batch(train_data, args.batch, args.seq, g)
-        loss = ddp(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    elapsed = time.perf_counter() - t0
-    return evaluate(model, eval_data, seq=args.seq), elapsed
+RUNS = {  # name: extra train_gpt flags (tuned learning rates)
+    "ds_muon": ["--optimizer", "ds_muon", "--lr", "0.03", "--adam-lr", "0.006"],
+    "AdamW": ["--optimizer", "adamw", "--adam-lr", "0.006"],
+}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--muon-lr", type=float, default=0.02)
-    ap.add_argument("--adam-lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--out", default="runs/demo")
     args = ap.parse_args()
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    train_data, eval_data = split(stdlib_bytes())
-    if rank == 0:
-        n = sum(p.numel() for p in GPT(d=args.d, layers=args.layers, seq=args.seq).parameters())
-        print(f"ds_muon demo: GPT with {n / 1e6:.2f} M parameters, {world} gloo ranks (DDP), "
-              f"{len(train_data) / 1e6:.1f} MB of stdlib source, {args.steps} steps x "
-              f"{args.batch * world} sequences of {args.seq} bytes")
-
-    runs = {
-        "ds_muon": lambda m: ds_muon.Muon(ds_muon.muon_param_groups(m, lr=args.muon_lr, adam_lr=args.adam_lr)),
-        "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=args.adam_lr, betas=(0.9, 0.95)),
-    }
-    results = {name: train(name, make, args, train_data, eval_data, rank, world) for name, make in runs.items()}
-    if rank == 0:
-        print(f"\n{'optimizer':<10}{'eval loss':>10}{'train time':>12}")
-        for name, (loss, secs) in results.items():
-            print(f"{name:<10}{loss:>10.4f}{secs:>11.1f}s")
-        print(f"ds_muon eval loss / AdamW eval loss = {results['ds_muon'][0] / results['AdamW'][0]:.3f}")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # gloo can abort during interpreter teardown
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    print(f"ds_muon demo: byte-level GPT on the Python stdlib's source, FSDP2 on {args.nproc} processes, "
+          f"{args.steps} steps per optimizer\n", flush=True)
+    results = {}
+    for name, flags in RUNS.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               os.path.join(HERE, "train_gpt.py"), "--stack", "fsdp2", "--steps", str(args.steps),
+               "--eval-every", "50", "--out", args.out, "--run-name", f"fsdp2-{name}", *flags]
+        print("$ torchrun", " ".join(cmd[3:]), flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        summary = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not summary:
+            print(proc.stdout)
+            raise SystemExit(f"{name} run failed (exit code {proc.returncode})")
+        results[name] = summary[-1] | {"wall": time.perf_counter() - t0}
+    print(f"\n{'optimizer':<10}{'final eval loss':>16}{'train time':>12}")
+    for name, r in results.items():
+        print(f"{name:<10}{r['final_eval_loss']:>16.4f}{r['seconds']:>11.1f}s")
+    ratio = results["ds_muon"]["final_eval_loss"] / results["AdamW"]["final_eval_loss"]
+    print(f"\nds_muon / AdamW eval loss: {ratio:.3f}; ds_muon's matrices were orthogonalized at home ranks "
+          f"{results['ds_muon'].get('muon_home_ranks')}")
+    print(f"loss curves: {os.path.abspath(results['ds_muon']['plot'])}")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,28 @@
 """``ds-muon``: run the optimizer's own planner on a model's matrix shapes, at any world size.
 
-    ds-muon plan --hf-config config.json --world-sizes 8 64 512
-    ds-muon plan --shapes shapes.json --layout partitioned --json
+    ds-muon plan --preset llama-7b --world-sizes 8 64 512 4096 --plot plan.png
+    ds-muon plan --hf-config config.json --layout replicated --json
+    ds-muon shapes --hf-config config.json > configs/models/mine.json
 
 No GPUs, no processes: the same :func:`ds_muon.planner.plan_homes` the optimizer
-calls, fed with shapes and with what each rank would hold.
+calls, fed with shapes and with what each rank would hold, next to the baselines
+of :mod:`ds_muon.report`.  From Python, :func:`shapes_from_module` reads a live
+model and :func:`plan_rows` returns the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
+from . import report
+from .planner import CostModel
+
+PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+ALL_STRATEGIES = report.SHARDED + report.BASELINES + ("locality+dup",)
 
 
 def shapes_from_hf_config(cfg: dict) -> List[Tuple[str, Tuple[int, int]]]:
@@ -41,53 +49,97 @@ def shapes_from_hf_config(cfg: dict) -> List[Tuple[str, Tuple[int, int]]]:
     return out
 
 
-def tasks_for(shapes: Sequence[Tuple[str, Tuple[int, int]]], world: int, layout: str, steps: int,
-              elem_bytes: int) -> List[MatrixTask]:
-    """MatrixTasks with holdings of a replicated (DDP) or flat-partitioned (ZeRO/FSDP1) layout."""
-    if layout == "replicated":
-        return [MatrixTask(r, c, steps, elem_bytes, (r * c,) * world) for _, (r, c) in shapes]
-    total = sum(r * c for _, (r, c) in shapes)
-    bounds = [(total * k // world, total * (k + 1) // world) for k in range(world)]
-    tasks, pos = [], 0
-    for _, (r, c) in shapes:
-        n = r * c
-        held = tuple(max(0, min(hi, pos + n) - max(lo, pos)) for lo, hi in bounds)
-        tasks.append(MatrixTask(r, c, steps, elem_bytes, held))
-        pos += n
-    return tasks
+def shapes_from_module(model) -> List[Tuple[str, Tuple[int, int]]]:
+    """The Muon matrices of a live ``nn.Module`` (by :func:`ds_muon.muon_param_groups`'s rules)."""
+    from .layout import matrix_shape
+    from .param_groups import split_params
+
+    muon, _ = split_params(model)
+    return [(name, matrix_shape(p.shape)) for name, p in muon]
+
+
+def load_shapes(preset: Optional[str] = None, hf_config: Optional[str] = None,
+                shapes_file: Optional[str] = None) -> List[Tuple[str, Tuple[int, int]]]:
+    """Shapes from a preset name (configs/models/NAME.json), a shapes JSON file, or a HF config.json."""
+    path = shapes_file
+    if preset:
+        path = preset if os.path.exists(preset) else os.path.join(PRESETS, f"{preset}.json")
+        if not os.path.exists(path):
+            names = sorted(f[:-5] for f in os.listdir(PRESETS)) if os.path.isdir(PRESETS) else []
+            raise ValueError(f"preset {preset!r} not found; presets: {names}")
+    if hf_config:
+        with open(hf_config) as f:
+            return shapes_from_hf_config(json.load(f))
+    with open(path) as f:
+        data = json.load(f)
+    if "matrices" not in data:  # a HF config saved as a preset
+        return shapes_from_hf_config(data)
+    return [(m["name"], tuple(m["shape"])) for m in data["matrices"]]
+
+
+def plan_rows(shapes: Sequence[Tuple[str, Tuple[int, int]]], world_sizes: Sequence[int],
+              layout: str = "partitioned", strategies: Sequence[str] = ALL_STRATEGIES, ns_steps: int = 5,
+              cost_model: Optional[CostModel] = None, elem_bytes: int = 2) -> List[dict]:
+    """One row per (world size, strategy): balance, bytes, collectives, waves, modelled time."""
+    cm = cost_model or CostModel()
+    rows = []
+    for world in world_sizes:
+        tasks = report.tasks_for([s for _, s in shapes], world, layout, ns_steps, elem_bytes)
+        rows.extend(report.compare(tasks, world, cm, strategies))
+    return rows
+
+
+def plot_rows(rows: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        rs = [r for r in rows if r["strategy"] == strategy]
+        ws = [r["world_size"] for r in rs]
+        ax_t.plot(ws, [r["modelled_step_ms"] for r in rs], marker="o", label=strategy)
+        ax_b.plot(ws, [max(r["max_bytes_sent"], r["max_bytes_received"]) / 2**20 for r in rs], marker="o",
+                  label=strategy)
+    for ax, title in ((ax_t, "modelled optimizer step (ms)"), (ax_b, "busiest rank's traffic (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("world size")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def cmd_plan(args) -> int:
-    if args.hf_config:
-        with open(args.hf_config) as f:
-            shapes = shapes_from_hf_config(json.load(f))
-    else:
-        with open(args.shapes) as f:
-            shapes = [(m["name"], tuple(m["shape"])) for m in json.load(f)["matrices"]]
+    shapes = load_shapes(args.preset, args.hf_config, args.shapes)
     cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8)
-    rows = []
-    for world in args.world_sizes:
-        tasks = tasks_for(shapes, world, args.layout, args.ns_steps, 2)
-        for strategy in args.strategies:
-            plan = plan_homes(tasks, world, strategy, cm)
-            sent = plan.bytes_sent
-            rows.append({
-                "world_size": world, "strategy": strategy, "matrices": len(tasks),
-                "waves": -(-len(tasks) // world),
-                "ns_max_over_mean": round(plan.imbalance, 4),
-                "ns_max_over_bound": round(plan.imbalance_vs_bound, 4),
-                "max_bytes_sent_per_rank": max(sent), "total_bytes_sent": sum(sent),
-                "collectives_per_step": 2,
-                "modelled_step_ms": round(max(plan.step_time()) * 1e3, 4),
-            })
+    rows = plan_rows(shapes, args.world_sizes, args.layout, args.strategies, args.ns_steps, cm)
+    if args.plot:
+        plot_rows(rows, args.plot)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
         return 0
+    print(f"{len(shapes)} matrices, {args.layout} layout, NS {args.ns_steps} steps, "
+          f"{args.tflops:g} TFLOP/s per rank, {args.link_gbps:g} Gbit/s per rank")
     cols = list(rows[0].keys())
-    print(" | ".join(cols))
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("---" for _ in cols) + "|")
     for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    return 0
+
+
+def cmd_shapes(args) -> int:
+    shapes = load_shapes(hf_config=args.hf_config)
+    with open(args.hf_config) as f:
+        cfg = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    lines = [json.dumps({"name": n, "shape": list(s)}) for n, s in shapes]
+    print('{"source": ' + json.dumps(args.description or cfg) + ',\n "matrices": [\n  ' + ",\n  ".join(lines) + "\n]}")
     return 0
 
 
@@ -96,17 +148,25 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="run the home planner on a model's shapes at given world sizes")
     src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="configs/models/NAME.json (e.g. gpt-125m, llama-7b, llama-70b, moe-64e) or a path")
     src.add_argument("--hf-config", help="a Hugging Face config.json")
     src.add_argument("--shapes", help='JSON: {"matrices": [{"name": ..., "shape": [rows, cols]}, ...]}')
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512])
-    p.add_argument("--layout", choices=["replicated", "partitioned"], default="partitioned")
-    p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512, 4096])
+    p.add_argument("--layout", choices=["replicated", "partitioned"], default="partitioned",
+                   help="replicated: DDP; partitioned: ZeRO-1/2 or FSDP1 flat shards")
+    p.add_argument("--strategies", nargs="+", choices=ALL_STRATEGIES, default=list(ALL_STRATEGIES))
     p.add_argument("--ns-steps", type=int, default=5)
-    p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (H100/H200-like bf16)")
-    p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all bandwidth per rank in Gbit/s")
+    p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
+    p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", help="write a PNG of modelled step time and traffic against world size")
+    p.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("shapes", help="print the Muon matrix shapes of a HF config.json as a preset JSON")
+    s.add_argument("--hf-config", required=True)
+    s.add_argument("--description", help="what the preset is (stored as its source)")
+    s.set_defaults(fn=cmd_shapes)
     args = ap.parse_args(argv)
-    return cmd_plan(args)
+    return args.fn(args)
 
 
 if __name__ == "__main__":

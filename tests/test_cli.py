@@ -1,37 +1,68 @@
-"""``ds-muon plan``: the optimizer's planner on real shapes, without processes."""
+"""``ds-muon plan``: the optimizer's planner and the baselines on real shapes, without processes."""
 
 import json
-import os
 
-from ds_muon import cli
+import pytest
+import torch
+from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(__file__))
+from ds_muon import cli, report
+from ds_muon.planner import CostModel, MatrixTask
 
 
-def test_plan_hf_config_json(capsys):
-    cfg = os.path.join(ROOT, "configs", "models", "llama-7b.json")
-    assert cli.main(["plan", "--hf-config", cfg, "--world-sizes", "8", "64", "--json"]) == 0
+def test_plan_preset_json_all_strategies(capsys):
+    assert cli.main(["plan", "--preset", "llama-7b", "--world-sizes", "8", "256", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {(r["world_size"], r["strategy"]) for r in rows} == {
-        (w, s) for w in (8, 64) for s in ("locality", "lpt", "round_robin")}
-    for r in rows:
-        assert r["matrices"] == 32 * 7
-        assert r["ns_max_over_bound"] >= 1.0
     by = {(r["world_size"], r["strategy"]): r for r in rows}
-    # on a partitioned layout the locality plan moves less than plain LPT
-    assert by[(8, "locality")]["total_bytes_sent"] < by[(8, "lpt")]["total_bytes_sent"]
-    assert by[(64, "lpt")]["ns_max_over_mean"] <= by[(64, "round_robin")]["ns_max_over_mean"]
+    assert set(by) == {(w, s) for w in (8, 256) for s in cli.ALL_STRATEGIES}
+    for r in rows:
+        assert r["matrices"] == 32 * 7 and r["ns_max_over_bound"] >= 1.0
+    # partitioned (ZeRO/FSDP1) layout: the locality plan moves far less than plain LPT, and is no slower
+    assert by[(8, "locality")]["total_bytes_moved"] < 0.1 * by[(8, "lpt")]["total_bytes_moved"]
+    assert by[(8, "locality")]["modelled_step_ms"] <= by[(8, "lpt")]["modelled_step_ms"]
+    # one fused exchange each way vs one collective per matrix
+    assert by[(8, "locality")]["collectives_per_step"] == 2 and by[(8, "duplicated")]["collectives_per_step"] == 224
+    # every rank runs every NS in the baseline
+    assert by[(256, "duplicated")]["modelled_step_ms"] > 20 * by[(256, "locality")]["modelled_step_ms"]
+    assert 1 <= by[(256, "locality")]["waves"] <= 2 and by[(8, "lpt")]["waves"] == 28  # 224 matrices on 8 ranks
 
 
-def test_shapes_file_and_gqa_moe(tmp_path, capsys):
-    shapes = {"matrices": [{"name": f"w{i}", "shape": [64, 32 * (i % 3 + 1)]} for i in range(10)]}
-    f = tmp_path / "s.json"
-    f.write_text(json.dumps(shapes))
-    assert cli.main(["plan", "--shapes", str(f), "--world-sizes", "4", "--layout", "replicated"]) == 0
-    assert "round_robin" in capsys.readouterr().out
+def test_plot_and_table(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    assert cli.main(["plan", "--preset", "gpt-125m", "--world-sizes", "4", "32", "--layout", "replicated",
+                     "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "| 32 | locality+dup |" in out and png.stat().st_size > 10_000
+
+
+def test_hf_config_shapes_and_module(tmp_path):
     moe = cli.shapes_from_hf_config({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                                      "num_key_value_heads": 2, "intermediate_size": 128, "num_local_experts": 4,
                                      "moe_intermediate_size": 32})
     names = dict(moe)
     assert names["layers.0.k"] == (32, 64) and names["layers.1.experts.3.down"] == (64, 32)
     assert len(moe) == 2 * (4 + 4 * 3)
+    with pytest.raises(ValueError, match="hidden_size"):
+        cli.shapes_from_hf_config({"num_hidden_layers": 2})
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.Conv1d(16, 4, 3))
+    assert cli.shapes_from_module(model) == [("1.weight", (16, 8)), ("2.weight", (4, 48))]
+    rows = cli.plan_rows(cli.shapes_from_module(model), [2], strategies=["locality", "duplicated"])
+    assert [r["strategy"] for r in rows] == ["locality", "duplicated"]
+    with pytest.raises(ValueError, match="preset"):
+        cli.load_shapes(preset="no-such-model")
+
+
+def test_baseline_costs_by_hand():
+    # one 4x4 matrix split in halves over 2 ranks, bf16 on the wire
+    t = MatrixTask(4, 4, 5, 2, (8, 8))
+    dup = report.duplicated_cost([t], 2)
+    assert dup.bytes_received == [16.0, 16.0] and dup.bytes_sent == [16.0, 16.0] and dup.ns_flops[0] == t.flops
+    owner = report.deepspeed_owner_cost([t], 2)
+    assert owner.ns_flops == [t.flops, t.flops] and owner.collectives == 1
+    sharded = report.sharded_cost([t], 2, "locality", CostModel())
+    assert sum(sharded.ns_flops) == t.flops and sum(sharded.bytes_sent) == 32  # 8 elements in, 8 back
+    # replicated over many ranks: extra homes split the broadcast of results
+    tasks = [MatrixTask(64, 64, 5, 2, (4096,) * 16) for _ in range(2)]
+    single = report.sharded_cost(tasks, 16, "locality", CostModel())
+    dup_homes = report.duplicate_surplus_cost(tasks, 16, CostModel())
+    assert max(dup_homes.bytes_sent) < max(single.bytes_sent)

@@ -1,0 +1,178 @@
+"""What each way of placing Newton–Schulz costs a step, per rank: the numbers behind ``ds-muon plan``.
+
+Strategies compared on the same shapes and holdings:
+
+* ``locality`` / ``lpt`` / ``round_robin`` — one home per matrix
+  (:func:`ds_muon.planner.plan_homes`), two fused all_to_all per step;
+* ``duplicated`` — the naive baseline: every rank gathers every matrix and runs
+  every NS (one all_gather per matrix);
+* ``deepspeed_owner`` — DeepSpeed 0.19.8's built-in Muon: each rank runs NS on
+  every matrix that has a piece in its ZeRO partition (a matrix that straddles
+  a partition boundary is all-gathered and orthogonalized by each of its holders);
+* ``locality+dup`` — when ranks outnumber matrices, the idle ranks become extra
+  homes of the matrices whose home sends the most, each home then scattering to
+  a share of the holders (duplicate NS, split scatter).
+
+Seconds come from a :class:`~ds_muon.planner.CostModel`: NS FLOPs over
+``flops_per_s`` plus bytes sent and received over ``bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from .planner import CostModel, MatrixTask, plan_homes
+
+SHARDED = ("locality", "lpt", "round_robin")
+BASELINES = ("duplicated", "deepspeed_owner")
+
+
+@dataclass
+class StrategyCost:
+    strategy: str
+    world_size: int
+    ns_flops: List[float]
+    bytes_sent: List[float]
+    bytes_received: List[float]
+    collectives: int
+    max_matrices_per_rank: int
+
+    def step_seconds(self, cm: CostModel) -> List[float]:
+        return [f / cm.flops_per_s + (s + r) / cm.bytes_per_s
+                for f, s, r in zip(self.ns_flops, self.bytes_sent, self.bytes_received)]
+
+    def row(self, cm: CostModel, tasks: Sequence[MatrixTask]) -> Dict[str, object]:
+        mean = sum(self.ns_flops) / self.world_size
+        bound = max(sum(t.flops for t in tasks) / self.world_size, max((t.flops for t in tasks), default=0.0))
+        peak = max(self.ns_flops)
+        return {
+            "world_size": self.world_size,
+            "strategy": self.strategy,
+            "matrices": len(tasks),
+            "waves": self.max_matrices_per_rank,
+            "ns_max_over_mean": round(peak / mean, 4) if mean else 1.0,
+            "ns_max_over_bound": round(peak / bound, 4) if bound else 1.0,
+            "max_bytes_sent": int(max(self.bytes_sent)),
+            "max_bytes_received": int(max(self.bytes_received)),
+            "total_bytes_moved": int(sum(self.bytes_sent)),
+            "collectives_per_step": self.collectives,
+            "modelled_step_ms": round(max(self.step_seconds(cm)) * 1e3, 4),
+        }
+
+
+def sharded_cost(tasks: Sequence[MatrixTask], world: int, strategy: str, cm: CostModel) -> StrategyCost:
+    plan = plan_homes(tasks, world, strategy, cm)
+    sent, recv = plan.traffic()
+    per_home = [plan.homes.count(r) for r in range(world)]
+    return StrategyCost(strategy, world, plan.ns_cost, sent, recv, 2, max(per_home))
+
+
+def _gather(t: MatrixTask, receivers: Sequence[int], sent: List[float], recv: List[float]) -> None:
+    """Every receiver gets what it lacks of ``t``; holders send in proportion to what they hold."""
+    need = sum(t.numel - t.held[r] for r in receivers)
+    held = sum(t.held)
+    for r in receivers:
+        recv[r] += (t.numel - t.held[r]) * t.elem_bytes
+    for r, n in enumerate(t.held):
+        if n:
+            sent[r] += need * n / held * t.elem_bytes
+
+
+def duplicated_cost(tasks: Sequence[MatrixTask], world: int) -> StrategyCost:
+    sent, recv = [0.0] * world, [0.0] * world
+    for t in tasks:
+        _gather(t, range(world), sent, recv)
+    total = sum(t.flops for t in tasks)
+    return StrategyCost("duplicated", world, [total] * world, sent, recv, len(tasks), len(tasks))
+
+
+def deepspeed_owner_cost(tasks: Sequence[MatrixTask], world: int) -> StrategyCost:
+    ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
+    gathers = 0
+    for t in tasks:
+        holders = [r for r in range(world) if t.held[r] > 0]
+        if any(t.held[r] < t.numel for r in holders):
+            gathers += 1
+            _gather(t, holders, sent, recv)
+        for r in holders:
+            ns[r] += t.flops
+            count[r] += 1
+    return StrategyCost("deepspeed_owner", world, ns, sent, recv, gathers, max(count))
+
+
+def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
+    """Locality plan, then every rank left without a matrix becomes an extra home of the
+    matrix whose homes send the most; that matrix's holders are split among its homes."""
+    plan = plan_homes(tasks, world, "locality", cm)
+    homes = [[h] for h in plan.homes]
+    idle = sorted(set(range(world)) - set(plan.homes))
+    # bytes each matrix's homes scatter, shared among its homes: a max-heap
+    scatter = [sum(n for r, n in enumerate(t.held) if r != h) * t.elem_bytes for t, h in zip(tasks, plan.homes)]
+    heap = [(-s, i) for i, s in enumerate(scatter) if s > 0]
+    heapq.heapify(heap)
+    for r in idle:
+        if not heap:
+            break
+        _, i = heapq.heappop(heap)
+        homes[i].append(r)
+        scatter[i] -= tasks[i].held[r] * tasks[i].elem_bytes
+        if scatter[i] > 0:
+            heapq.heappush(heap, (-scatter[i] / len(homes[i]), i))
+    ns = [0.0] * world
+    sent = [0.0] * world
+    recv = [0.0] * world
+    count = [0] * world
+    for t, hs in zip(tasks, homes):
+        _gather(t, hs, sent, recv)
+        for h in hs:
+            ns[h] += t.flops
+            count[h] += 1
+        others = [r for r in range(world) if r not in hs and t.held[r] > 0]
+        for k, r in enumerate(others):  # scatter: holders split among homes
+            sent[hs[k % len(hs)]] += t.held[r] * t.elem_bytes
+            recv[r] += t.held[r] * t.elem_bytes
+    return StrategyCost("locality+dup", world, ns, sent, recv, 2, max(count))
+
+
+def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
+            strategies: Sequence[str] = SHARDED + BASELINES + ("locality+dup",)) -> List[Dict[str, object]]:
+    rows = []
+    for s in strategies:
+        if s in SHARDED:
+            cost = sharded_cost(tasks, world, s, cm)
+        elif s == "duplicated":
+            cost = duplicated_cost(tasks, world)
+        elif s == "deepspeed_owner":
+            cost = deepspeed_owner_cost(tasks, world)
+        elif s == "locality+dup":
+            cost = duplicate_surplus_cost(tasks, world, cm)
+        else:
+            raise ValueError(f"unknown strategy {s!r}")
+        rows.append(cost.row(cm, tasks))
+    return rows
+
+
+def holdings(shapes: Sequence[Tuple[int, int]], world: int, layout: str) -> List[Tuple[int, ...]]:
+    """Elements each rank holds of each matrix: ``replicated`` (DDP) or ``partitioned``
+    (matrices end to end, each rank one equal contiguous range: ZeRO-1/2, FSDP1)."""
+    if layout == "replicated":
+        return [(r * c,) * world for r, c in shapes]
+    if layout != "partitioned":
+        raise ValueError(f"layout {layout!r} is unknown; use 'replicated' or 'partitioned'")
+    total = sum(r * c for r, c in shapes)
+    bounds = [(total * k // world, total * (k + 1) // world) for k in range(world)]
+    out, pos = [], 0
+    for r, c in shapes:
+        n = r * c
+        out.append(tuple(max(0, min(hi, pos + n) - max(lo, pos)) for lo, hi in bounds))
+        pos += n
+    return out
+
+
+def tasks_for(shapes: Sequence[Tuple[int, int]], world: int, layout: str, steps: int = 5,
+              elem_bytes: int = 2, method: str = "standard") -> List[MatrixTask]:
+    return [MatrixTask(r, c, steps, elem_bytes, held, method)
+            for (r, c), held in zip(shapes, holdings(shapes, world, layout))]
+

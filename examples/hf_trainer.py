@@ -1,0 +1,158 @@
+"""ds_muon in the Hugging Face ``transformers.Trainer``: a tiny GPT-2 on the stdlib's bytes.
+
+    python examples/hf_trainer.py                                   # one process
+    torchrun --nproc_per_node 2 examples/hf_trainer.py              # DDP (gloo on CPU)
+
+The recipe is one argument: ``Trainer(..., optimizers=(ds_muon.Muon(groups), None))``;
+the Trainer builds its LR schedule on top (per-group factors, so Muon's and AdamW's
+learning rates keep their ratio).  The GPT-2 here is randomly initialised from a config
+(nothing is downloaded) and reads byte-level text from examples/gpt.py's
+``stdlib_bytes``.
+
+GPT-2's ``Conv1D`` stores weights transposed, ``[in, out]``.  Newton-Schulz does not care
+(orthogonalizing Gᵀ gives the transpose of orthogonalizing G), but ds_muon's default
+``scale_mode="shape_scaling"`` factor ``sqrt(max(1, rows/cols))`` reads the stored
+shape as ``[out, in]``: ``c_fc`` (64→256) would get 1 instead of 2 and ``mlp.c_proj``
+(256→64) 2 instead of 1.  :func:`conv1d_aware_groups` splits the Muon group by shape and
+sets ``extra_scale_factor`` so each Conv1D matrix gets the factor of its ``[out, in]``
+form (``--conv1d-as-stored`` turns that off).
+
+Rank 0 prints one JSON line: the Trainer's logged losses, eval loss before/after,
+``muon_home_ranks`` and the per-matrix scale factors applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch.utils.data import Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ds_muon  # noqa: E402
+from ds_muon.scaling import get_muon_scale_factor  # noqa: E402
+from gpt import split, stdlib_bytes  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per process per step")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
+    ap.add_argument("--adam-lr", type=float, default=3e-3, help="learning rate of the AdamW group")
+    ap.add_argument("--eval-samples", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--conv1d-as-stored", action="store_true",
+                    help="scale GPT-2 Conv1D updates by their stored [in, out] shape (no correction)")
+    ap.add_argument("--output-dir", default="runs/hf_trainer")
+    args = ap.parse_args(argv)
+    for name in ("steps", "micro_batch", "seq_len", "eval_samples", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.lr >= 0 and args.adam_lr >= 0):
+        ap.error("--lr and --adam-lr must be >= 0")
+    return args
+
+
+class ByteWindows(Dataset):
+    """Causal-LM examples: ``seq`` bytes at seeded offsets; GPT-2 shifts the labels itself."""
+
+    def __init__(self, data: torch.Tensor, seq: int, n: int, seed: int):
+        self.data, self.seq = data, seq
+        self.starts = torch.randint(len(data) - seq, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        ids = self.data[self.starts[i]:self.starts[i] + self.seq]
+        return {"input_ids": ids, "labels": ids}
+
+
+def conv1d_aware_groups(model, lr, adam_lr, transposed_types, scale_mode="shape_scaling"):
+    """``ds_muon.muon_param_groups`` with each transposed (``[in, out]``) weight's scale corrected.
+
+    The Muon group is split by (stored shape, transposed?); a transposed weight's group gets
+    ``extra_scale_factor = scale(out, in) / scale(in, out)``.  Returns (groups, {name: factor}).
+    """
+    transposed = {id(mod.weight) for mod in model.modules() if isinstance(mod, transposed_types)}
+    groups = ds_muon.muon_param_groups(model, lr=lr, adam_lr=adam_lr, scale_mode=scale_mode)
+    out, applied = [], {}
+    for g in groups:
+        if not g["use_muon"]:
+            out.append(g)
+            continue
+        by_kind = {}
+        for p, name in zip(g["params"], g["param_names"]):
+            rows, cols = p.shape[0], p[0].numel()
+            if id(p) in transposed:
+                if p.ndim != 2:
+                    raise ValueError(f"{name}: a transposed weight must be 2-D, got shape {tuple(p.shape)}")
+                factor = get_muon_scale_factor(cols, rows, scale_mode) / get_muon_scale_factor(rows, cols, scale_mode)
+            else:
+                factor = 1.0
+            applied[name] = get_muon_scale_factor(rows, cols, scale_mode, factor)
+            sub = by_kind.setdefault(factor, {**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+                                              "params": [], "param_names": [], "extra_scale_factor": factor})
+            sub["params"].append(p)
+            sub["param_names"].append(name)
+        out.extend(by_kind.values())
+    return out, applied
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers.pytorch_utils import Conv1D
+
+    on_cpu = not torch.cuda.is_available()
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun / accelerate launch
+    targs = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
+        per_device_eval_batch_size=args.micro_batch, logging_steps=1, save_strategy="no", report_to="none",
+        seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        use_cpu=on_cpu, ddp_backend="gloo" if on_cpu and launched else None,
+    )
+    torch.manual_seed(args.seed)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=args.seq_len,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+
+    if args.conv1d_as_stored:
+        groups = ds_muon.muon_param_groups(model, lr=args.lr, adam_lr=args.adam_lr)
+        scales = {n: get_muon_scale_factor(p.shape[0], p[0].numel())
+                  for g in groups if g["use_muon"] for p, n in zip(g["params"], g["param_names"])}
+    else:
+        groups, scales = conv1d_aware_groups(model, args.lr, args.adam_lr, (Conv1D,))
+    muon = ds_muon.Muon(groups)
+
+    train_data, eval_data = split(stdlib_bytes())
+    world = targs.world_size
+    train = ByteWindows(train_data, args.seq_len, args.steps * args.micro_batch * world, args.seed + 1)
+    evalset = ByteWindows(eval_data, args.seq_len, args.eval_samples, 1234)
+    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evalset, optimizers=(muon, None))
+
+    initial_eval = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    final_eval = trainer.evaluate()["eval_loss"]
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    homes = sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs})
+    summary = {"script": "hf_trainer", "world": world, "steps": trainer.state.global_step, "train_losses": losses,
+               "initial_eval_loss": initial_eval, "final_eval_loss": final_eval, "muon_home_ranks": homes,
+               "muon_scale_factors": scales, "conv1d_corrected": not args.conv1d_as_stored}
+    if trainer.is_world_process_zero():
+        print(json.dumps(summary), flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

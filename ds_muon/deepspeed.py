@@ -111,7 +111,9 @@ def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any
     """``Muon`` over ``muon_param_groups(model)`` from a DsMuon entry's ``params``."""
     muon_kw, group_kw = parse_params(entry_params)
     groups = muon_param_groups(model, **group_kw)
-    return Muon(groups, **muon_kw)
+    from .integrations.moe import split_moe_groups
+
+    return Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
 
 
 def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any], Optional[Muon]]:

@@ -113,6 +113,11 @@ class Exchange:
     def gather(self, local: Dict[int, torch.Tensor]) -> Dict[Hashable, torch.Tensor]:
         """``local[i]``: this rank's piece of matrix i, flat.  Returns the home stacks
         ``{key: [k, rows, cols]}`` filled with the full matrices."""
+        return self.gather_finish(self.gather_start(local))
+
+    def gather_start(self, local: Dict[int, torch.Tensor]):
+        """Pack and issue the gather all_to_all without waiting (other domains' exchanges
+        can be issued meanwhile); :meth:`gather_finish` waits and unpacks."""
         stacks = {}
         for key, idx in self.stacks.items():
             info = self.layout.matrices[idx[0]]
@@ -120,11 +125,19 @@ class Exchange:
         for seg in self.self_gather:
             self._home_view(stacks, seg).copy_(local[seg.matrix].view(seg.piece.rows, seg.piece.length))
         if not self.gather_traffic:
-            return stacks
+            return stacks, None, None
         send = self._pack(self.send_g, self.split_send_g, self.gather_dtype,
                           lambda seg: local[seg.matrix])
         recv = torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype, device=self.device)
-        dist.all_to_all_single(recv, send, self.split_recv_g, self.split_send_g, group=self.group)
+        work = dist.all_to_all_single(recv, send, self.split_recv_g, self.split_send_g, group=self.group,
+                                      async_op=True)
+        return stacks, recv, (work, send)
+
+    def gather_finish(self, pending) -> Dict[Hashable, torch.Tensor]:
+        stacks, recv, work = pending
+        if work is None:
+            return stacks
+        work[0].wait()
         off = 0
         for lst in self.recv_g:
             for seg in lst:
@@ -137,6 +150,10 @@ class Exchange:
     def scatter(self, results: Dict[Hashable, torch.Tensor]) -> Dict[int, torch.Tensor]:
         """``results``: the home stacks after NS (contiguous).  Returns, for each matrix
         this rank holds a piece of, that piece of the result as ``[rows, length]``."""
+        return self.scatter_finish(self.scatter_start(results))
+
+    def scatter_start(self, results: Dict[Hashable, torch.Tensor]):
+        """Pack and issue the scatter all_to_all without waiting; :meth:`scatter_finish` waits."""
         out: Dict[int, torch.Tensor] = {}
         mine = self.layout.matrices
         for i in self.active:
@@ -144,11 +161,20 @@ class Exchange:
             if piece is not None and piece.numel > 0 and self.rank in self.homes[i]:
                 out[i] = self._home_view(results, _Segment(i, piece))
         if not self.scatter_traffic:
-            return out
+            return out, None, None
         send = self._pack(self.send_s, self.split_send_s, self.scatter_dtype,
                           lambda seg: self._home_view(results, seg))
         recv = torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype, device=self.device)
-        dist.all_to_all_single(recv, send, self.split_recv_s, self.split_send_s, group=self.group)
+        work = dist.all_to_all_single(recv, send, self.split_recv_s, self.split_send_s, group=self.group,
+                                      async_op=True)
+        return out, recv, (work, send)
+
+    def scatter_finish(self, pending) -> Dict[int, torch.Tensor]:
+        out, recv, work = pending
+        if work is None:
+            return out
+        work[0].wait()
+        mine = self.layout.matrices
         for i, off in self.recv_offset.items():
             piece = mine[i].pieces[self.rank]
             out[i] = recv[off:off + piece.numel].view(piece.rows, piece.length)

@@ -110,6 +110,7 @@ class Muon(Optimizer):
         self._layouts: List[Layout] = []
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
+        self._agreement: Dict[tuple, tuple] = {}  # per set of tensors: rows of the agreement all_reduce
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
@@ -173,6 +174,7 @@ class Muon(Optimizer):
         """Forget every binding, layout and compiled exchange (after re-sharding)."""
         self._resolved.clear()
         self._exchanges.clear()
+        self._agreement.clear()
         self._binding_sig = None
 
     # -- the step -------------------------------------------------------------
@@ -240,9 +242,12 @@ class Muon(Optimizer):
         same error on every rank (the flags are all-reduced, not local).
         """
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
-        flags = torch.zeros(len(items), 3, dtype=torch.int64)  # has grad, no grad, non-finite
+        group, world = self._agreement_group()
+        rows, nrows, names = self._agreement_rows(items, group, world)
+        flags = torch.zeros(nrows, 3, dtype=torch.int64)  # has grad, no grad, non-finite
         checks = []
         for k, (gi, pi, p) in enumerate(items):
+            k = rows[k]
             g = p.grad
             if g is None:
                 # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
@@ -259,33 +264,98 @@ class Muon(Optimizer):
             ok = torch.isfinite(torch.stack([c for _, c in checks])).all(dim=1).cpu()
             for (k, _), good in zip(checks, ok.tolist()):
                 flags[k, 2] = int(not good)
-        group, world = self._agreement_group()
         if world > 1:
             dev = _comm_device(group)
             total = flags.to(dev)
             dist.all_reduce(total, group=group)
             flags = total.cpu()
-        for k, (gi, pi, p) in enumerate(items):
+        for k in range(nrows):
             if flags[k, 0] and flags[k, 1]:
                 raise RuntimeError(
-                    f"ds_muon: {self._name(gi, pi)} has a gradient on {int(flags[k, 0])} rank(s) and none on "
+                    f"ds_muon: {names[k]} has a gradient on {int(flags[k, 0])} rank(s) and none on "
                     f"{int(flags[k, 1])}; every rank must produce the same set of gradients (unused parameters "
                     "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
                 )
-        bad = [k for k in range(len(items)) if flags[k, 2]]
+        bad = [k for k in range(nrows) if flags[k, 2]]
         if bad:
-            gi, pi, _ = items[bad[0]]
+            name = names[bad[0]]
             if self.nonfinite == "raise":
                 raise FloatingPointError(
-                    f"ds_muon: non-finite gradient in {self._name(gi, pi)} (and {len(bad) - 1} more); nothing "
+                    f"ds_muon: non-finite gradient in {name} (and {len(bad) - 1} more); nothing "
                     "was changed. Pass nonfinite='skip' to skip such steps instead"
                 )
             self.nonfinite_skips += 1
             warnings.warn(
-                f"ds_muon: skipped step: non-finite gradient in {self._name(gi, pi)} "
+                f"ds_muon: skipped step: non-finite gradient in {name} "
                 f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=3)
             return None
-        return {id(p) for k, (_, _, p) in enumerate(items) if flags[k, 0]}
+        return {id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k], 0]}
+
+    def _agreement_rows(self, items, group, world) -> Tuple[List[int], int, List[str]]:
+        """Where each tensor's flags go in the one all_reduce of :meth:`_check_gradients`.
+
+        Tensors without a :func:`~ds_muon.domain` tag (or whose domain is the whole
+        agreement group) are the same tensors on every rank: one row each, in order.
+        Tensors of a smaller domain (expert data parallelism) differ between domains,
+        so each domain gets its own block of rows, written only by its members: the
+        sums then count agreement within the domain, and every rank still sees every
+        problem (and raises or skips alike).  The block layout is agreed once per set
+        of tensors (one all_gather_object); returns (row of each item, rows, row names).
+        """
+        key = tuple(id(p) for _, _, p in items)
+        cached = self._agreement.get(key)
+        if cached is not None:
+            return cached
+        names = [self._name(gi, pi) for gi, pi, _ in items]
+        if world == 1:
+            out = (list(range(len(items))), len(items), names)
+            self._agreement[key] = out
+            return out
+        from .tagging import domain_of
+
+        here = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        common: List[int] = []
+        mine: Dict[tuple, List[int]] = {}
+        for k, (_, _, p) in enumerate(items):
+            d = domain_of(p)
+            ranks = None if d is None else tuple(sorted(dist.get_process_group_ranks(d)))
+            if ranks is None or ranks == tuple(sorted(here)):
+                common.append(k)
+            else:
+                if not set(ranks) <= set(here):
+                    raise ValueError(
+                        f"ds_muon: {names[k]} is tagged with a domain of ranks {list(ranks)}, not all of which are in "
+                        f"the optimizer's process_group (ranks {sorted(here)})")
+                mine.setdefault(ranks, []).append(k)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (len(common), {r: [names[k] for k in ks] for r, ks in mine.items()}),
+                               group=group)
+        if len({n for n, _ in everyone}) > 1:
+            raise ValueError(
+                "ds_muon: ranks list different numbers of tensors outside expert domains "
+                f"({[n for n, _ in everyone]} by rank); every rank must build the optimizer over the same model")
+        blocks: Dict[tuple, List[str]] = {}
+        for r, (_, doms) in enumerate(everyone):
+            for ranks, dnames in doms.items():
+                if here[r] not in ranks:
+                    raise ValueError(f"ds_muon: rank {here[r]} tags {dnames[0]} with a domain it is not in {list(ranks)}")
+                if ranks in blocks and len(blocks[ranks]) != len(dnames):
+                    raise ValueError(
+                        f"ds_muon: the ranks of domain {list(ranks)} list different numbers of tensors in it "
+                        f"({len(blocks[ranks])} and {len(dnames)}, e.g. {dnames[0]}); replicas of an expert must "
+                        "hold the same tensors")
+                blocks.setdefault(ranks, dnames)
+        rows = [0] * len(items)
+        for j, k in enumerate(common):
+            rows[k] = j
+        row_names = [names[k] for k in common]
+        for ranks in sorted(blocks):
+            for j, k in enumerate(mine.get(ranks, [])):
+                rows[k] = len(row_names) + j
+            row_names.extend(f"{n} (domain of ranks {list(ranks)})" for n in blocks[ranks])
+        out = (rows, len(row_names), row_names)
+        self._agreement[key] = out
+        return out
 
     def _adamw(self, group: dict, params: List[torch.Tensor]) -> None:
         params = self._skip_empty(params)
@@ -338,6 +408,7 @@ class Muon(Optimizer):
 
     def _muon(self, active: set) -> None:
         group_of = {id(p): g for g in self.param_groups if g["use_muon"] for p in g["params"]}
+        work = []  # (layout, active matrix indices, this rank's pieces of their updates)
         for layout in self._layouts:
             local: Dict[int, torch.Tensor] = {}
             todo = []  # (matrix index, param view, group)
@@ -357,9 +428,10 @@ class Muon(Optimizer):
                     grad = grad.add(param, alpha=g["weight_decay"])
                 buf.lerp_(grad, 1 - g["momentum"])
                 local[i] = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-            if not todo:
-                continue
-            results = self._orthogonalize(layout, todo, local, group_of)
+            if todo:
+                work.append((layout, todo, local))
+        # every domain's exchange is issued before any is waited on, so domains proceed concurrently
+        for (layout, todo, _), results in zip(work, self._orthogonalize_all(work, group_of)):
             for i in todo:
                 b, slot = layout.local[i]
                 if i not in results:
@@ -375,17 +447,29 @@ class Muon(Optimizer):
 
     def _orthogonalize(self, layout: Layout, todo: List[int], local, group_of) -> Dict[int, torch.Tensor]:
         """Exchange in, NS at home (batched by shape and settings), exchange out."""
-        key = (id(layout), tuple(todo))
-        if key not in self._exchanges:
-            self._exchanges[key] = self._compile(layout, todo, group_of)
-        out: Dict[int, torch.Tensor] = {}
-        for ex, ns_of in self._exchanges[key]:
-            stacks = ex.gather(local)
-            results = {}
+        return self._orthogonalize_all([(layout, todo, local)], group_of)[0]
+
+    def _orthogonalize_all(self, work, group_of) -> List[Dict[int, torch.Tensor]]:
+        """:meth:`_orthogonalize` for several layouts (domains) at once: all gathers are
+        issued before the first wait, NS runs per domain, then all scatters likewise."""
+        jobs = []  # (index into work, exchange, ns settings, local pieces)
+        for w, (layout, todo, local) in enumerate(work):
+            key = (id(layout), tuple(todo))
+            if key not in self._exchanges:
+                self._exchanges[key] = self._compile(layout, todo, group_of)
+            jobs.extend((w, ex, ns_of, local) for ex, ns_of in self._exchanges[key])
+        pending = [ex.gather_start(local) for _, ex, _, local in jobs]
+        results = []
+        for (_, ex, ns_of, _), p in zip(jobs, pending):
+            stacks = ex.gather_finish(p)
+            res = {}
             for skey, stack in stacks.items():
                 steps, coeffs, dtype, eps, method = ns_of[skey]
-                results[skey] = newton_schulz(stack, steps, coeffs, dtype, eps, method).contiguous()
-            out.update(ex.scatter(results))
+                res[skey] = newton_schulz(stack, steps, coeffs, dtype, eps, method).contiguous()
+            results.append(ex.scatter_start(res))
+        out: List[Dict[int, torch.Tensor]] = [{} for _ in work]
+        for (w, ex, _, _), p in zip(jobs, results):
+            out[w].update(ex.scatter_finish(p))
         return out
 
     def _compile(self, layout: Layout, todo: List[int], group_of):

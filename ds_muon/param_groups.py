@@ -8,7 +8,7 @@ module is named like ``lm_head``/``head``/``output``/``classifier``.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ def muon_param_groups(
     weight_decay: float = 0.0,
     adam_weight_decay: float = 0.0,
     head_names: Sequence[str] = HEAD_NAMES,
+    split_attention: Optional[str] = None,
     **muon_options,
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
@@ -63,8 +64,16 @@ def muon_param_groups(
     FSDP1-wrapped model is read through its flat parameters' metadata.
     ``head_names`` overrides which module names count as output heads; extra
     keyword arguments go into the Muon group (e.g. ``ns_steps=6``).
+
+    Split blocks (:func:`ds_muon.split_rows`): a module that declares
+    ``ds_muon_row_blocks = {param_name: sizes}`` (``sizes`` a list or a dict
+    ``{label: rows}``; names relative to the module) has those tensors tagged.
+    ``split_attention="qkv"`` also splits every ``nn.MultiheadAttention``'s fused
+    ``in_proj_weight`` into q, k, v; ``"heads"`` into one block per head of each.
     """
     from .integrations.fsdp import is_fsdp1_model
+
+    tag_row_blocks(model, split_attention)
 
     if is_fsdp1_model(model):  # FSDP1 hides original shapes: read them from its flat parameters
         from .integrations.fsdp import fsdp_param_groups
@@ -81,3 +90,36 @@ def muon_param_groups(
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
                        "lr": adam_lr, "weight_decay": adam_weight_decay})
     return groups
+
+
+SPLIT_ATTENTION = (None, "qkv", "heads")
+
+
+def tag_row_blocks(model: nn.Module, split_attention: Optional[str] = None) -> None:
+    """Tag the split blocks modules declare (``ds_muon_row_blocks``) and, with
+    ``split_attention``, the fused ``in_proj_weight`` of ``nn.MultiheadAttention``."""
+    from .tagging import split_rows
+
+    if split_attention not in SPLIT_ATTENTION:
+        raise ValueError(f"muon_param_groups: split_attention={split_attention!r} is unknown; use one of "
+                         f"{list(SPLIT_ATTENTION)}")
+    for mod_name, mod in model.named_modules():
+        declared = getattr(mod, "ds_muon_row_blocks", None)
+        if declared:
+            for pname, sizes in dict(declared).items():
+                try:
+                    p = mod.get_parameter(pname)
+                except AttributeError:
+                    raise ValueError(f"muon_param_groups: {type(mod).__name__} {mod_name or '(root)'} declares row "
+                                     f"blocks for {pname!r}, which is not one of its parameters (FSDP1 with use_orig_params=False "
+                                     "hides them: split blocks need use_orig_params=True)") from None
+                try:
+                    split_rows(p, sizes)
+                except ValueError as e:
+                    raise ValueError(f"muon_param_groups: {mod_name + '.' if mod_name else ''}{pname}: {e}") from None
+        if split_attention and isinstance(mod, nn.MultiheadAttention) and mod.in_proj_weight is not None:
+            e, h = mod.embed_dim, mod.num_heads
+            if split_attention == "qkv":
+                split_rows(mod.in_proj_weight, {"q": e, "k": e, "v": e})
+            else:
+                split_rows(mod.in_proj_weight, {f"{w}{i}": e // h for w in "qkv" for i in range(h)})

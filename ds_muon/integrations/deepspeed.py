@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..layout import MatrixSlot, ParamBinding, Piece
+from ..tagging import TENSOR_PARALLEL, block_slots, is_tagged
 from .local import bind_replicated
 
 HOW_TO_BIND = (
@@ -116,12 +117,17 @@ class _DeepSpeedBinder:
                 continue
             m = getattr(lp, "_hp_mapping", None)
             if m is None:
-                slots.append(MatrixSlot(key, tuple(lp.shape), None, 0))
+                slots.extend(block_slots(lp, key, 0, 0) if is_tagged(lp) else [MatrixSlot(key, tuple(lp.shape), None, 0)])
                 continue
             lp_addr, hp_addr = m.lp_fragment_address, m.hp_fragment_address
             if lp_addr.numel != hp_addr.numel:
                 raise RuntimeError(f"ds_muon: DeepSpeed's fragment of {key} has {lp_addr.numel} elements in the "
                                    f"parameter and {hp_addr.numel} in the partition")
+            if is_tagged(lp):  # split rows / experts: blocks clipped to the fragment
+                _no_tp(lp, key)
+                lo = int(lp_addr.start)
+                slots.extend(block_slots(lp, key, lo, lo + int(lp_addr.numel), int(hp_addr.start)))
+                continue
             slots.append(MatrixSlot(key, tuple(lp.shape), Piece(int(lp_addr.start), int(lp_addr.numel)),
                                     int(hp_addr.start)))
         return ParamBinding(flat, _flat_view, slots, group=w.real_dp_process_group[i])
@@ -145,8 +151,18 @@ class _DeepSpeedBinder:
             start = rank * per_rank
             length = min(per_rank, int(lp.ds_numel) - start)
             piece = Piece(start, length) if length > 0 else None
+            if is_tagged(lp):  # split rows / experts: blocks clipped to this rank's partition
+                _no_tp(lp, key)
+                slots.extend(block_slots(lp, key, start, start + max(length, 0), int(offset), shape))
+                continue
             slots.append(MatrixSlot(key, shape, piece, int(offset) if piece else 0))
         return ParamBinding(flat, _flat_view, slots, group=group)
+
+
+def _no_tp(lp, key: str) -> None:
+    if getattr(lp, TENSOR_PARALLEL, None) is not None:
+        raise NotImplementedError(f"ds_muon: {key} is tagged tensor_parallel; with ZeRO partitions ds_muon supports "
+                                  "split rows and expert stacks, not tensor-parallel shards (use ZeRO stage 0)")
 
 
 def _dp_group(engine):
@@ -197,6 +213,9 @@ def bind(engine, optimizer=None):
         raise ValueError(f"ds_muon: bind() needs the DeepSpeed engine, got {type(engine).__name__}")
     names = dict(getattr(engine, "param_names", None) or {})
     check_no_deepspeed_muon_tags(list(engine.module.parameters()), names)
+    from .moe import tag_deepspeed_moe
+
+    tag_deepspeed_moe(engine.module)  # expert parameters: their expert data-parallel domain
     binder = _DeepSpeedBinder(engine, muon)
     if binder.kind != "replicated":
         for t in _flats(binder):

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..layout import MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..param_groups import HEAD_NAMES, is_muon_param, muon_param_groups, split_params
+from ..tagging import block_slots, is_tagged
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
 
@@ -108,6 +109,9 @@ def bind_fsdp2(param, name: str) -> ParamBinding:
     rows_local = int(local_shape[0])
     piece = Piece(int(offset[0]) * cols, rows_local * cols) if rows_local * cols > 0 else None
     group = mesh.get_group(shard_dim if shard_dim is not None else 0)
+    if is_tagged(param):  # split rows / experts: blocks clipped to this rank's row range
+        lo = int(offset[0]) * cols
+        return ParamBinding(param, _dtensor_flat, block_slots(param, name, lo, lo + rows_local * cols), group=group)
     return ParamBinding(param, _dtensor_flat, [MatrixSlot(name, tuple(param.shape), piece, 0)], group=group)
 
 
@@ -248,6 +252,9 @@ def bind_fsdp1_orig(param, name: str, flat, i: int, group=None) -> ParamBinding:
             f"{held} of it; step the optimizer only while FSDP parameters are sharded (not inside "
             "summon_full_params)"
         )
+    if is_tagged(param):  # split rows / experts: blocks clipped to this rank's range
+        lo = 0 if piece is None else piece.offset
+        return ParamBinding(param, _flat1, block_slots(param, name, lo, lo + held, 0, shape), group=group)
     return ParamBinding(param, _flat1, [MatrixSlot(name, shape, piece, 0)], group=group)
 
 

@@ -561,8 +561,8 @@ def _unbound_message(name: str, p: torch.Tensor) -> str:
     from .integrations.deepspeed import HOW_TO_BIND
 
     return (
-        f"ds_muon: {name} is a 1-D tensor of {p.numel()} elements in a Muon group: a training stack replaced "
-        "the parameters with flat partitions ds_muon was not told about, and running Muon on them would "
+        f"ds_muon: a Muon group holds a 1-D tensor of {p.numel()} elements where {name} was: a training stack "
+        "replaced the parameters with flat partitions ds_muon was not told about, and running Muon on them would "
         "orthogonalize the wrong thing. With DeepSpeed: " + HOW_TO_BIND
     )
 

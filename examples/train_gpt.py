@@ -41,8 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="ds_muon")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences per step, split over ranks)")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--width", type=int, default=128, help="model width d (--d would clash with torchrun's options)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
@@ -93,7 +93,7 @@ def device():
 # -- model, wrapping and optimizer -----------------------------------------------------------------
 def build(args, world):
     torch.manual_seed(args.seed)
-    model = GPT(d=args.d, layers=args.layers, heads=args.heads, seq=args.seq).to(device())
+    model = GPT(d=args.width, layers=args.layers, heads=args.heads, seq=args.seq_len).to(device())
     if args.stack == "deepspeed":
         return build_deepspeed(args, model)
     if args.stack == "ddp":
@@ -256,7 +256,7 @@ def train(args):
     eval_loss = None
     for step in bar:
         g = torch.Generator().manual_seed(args.data_seed * 1_000_003 + step)
-        x, y = batch(train_data, args.batch, args.seq, g)
+        x, y = batch(train_data, args.batch, args.seq_len, g)
         x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device()), y[rank * per_rank:(rank + 1) * per_rank].to(device())
         loss = forward(x, y)
         if engine is not None:
@@ -268,7 +268,7 @@ def train(args):
             opt.step()
         record = {"step": step + 1, "train_loss": loss.item(), "time": time.perf_counter() - t0}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            eval_loss = evaluate(forward, eval_data, args.eval_batches, per_rank, args.seq)
+            eval_loss = evaluate(forward, eval_data, args.eval_batches, per_rank, args.seq_len)
             record["eval_loss"] = eval_loss
         if log:
             log.write(json.dumps(record) + "\n")

@@ -25,9 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 TIMEOUT = 300
 LN_VOCAB = math.log(256)  # the loss of a uniform guess over bytes
-# small model, 20 steps (train_gpt's --d cannot be passed through torchrun: it is an ambiguous
-# prefix of torchrun's own --duplicate-* options in Python 3.11's argparse, so d stays 128)
-TRAIN_GPT_FLAGS = ["--layers", "2", "--seq", "32", "--batch", "8", "--eval-every", "10", "--eval-batches", "2"]
+# small model, 20 steps
+TRAIN_GPT_FLAGS = ["--width", "64", "--layers", "2", "--seq-len", "32", "--batch", "8", "--eval-every", "10", "--eval-batches", "2"]
 ACCEL_FLAGS = ["--steps", "20", "--micro-batch", "4", "--seq-len", "32", "--width", "64", "--layers", "2"]
 
 
@@ -108,6 +107,7 @@ def test_train_gpt_stack(stack, tmp_path):
     _assert_learns([r["train_loss"] for r in rows], s["final_eval_loss"])
     # the optimizer's plan gave Newton-Schulz work to every rank
     assert s["muon_home_ranks"] == ([0] if stack == "single" else [0, 1])
+    assert s.get("dtensor_params", stack == "fsdp2") is (stack == "fsdp2")
     assert os.path.getsize(s["plot"]) > 0
 
 

@@ -281,6 +281,10 @@ def train(args):
     muon = opt
     while muon is not None and not isinstance(muon, ds_muon.Muon):
         muon = getattr(muon, "optimizer", None)  # DeepSpeed's ZeRO optimizer wraps the client optimizer
+    if args.stack == "fsdp2":  # the stack's promise: every parameter is a DTensor shard
+        from torch.distributed.tensor import DTensor
+
+        summary["dtensor_params"] = all(isinstance(p, DTensor) for p in wrapped.parameters())
     if muon is not None:
         homes = sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs})
         summary["muon_home_ranks"] = homes

@@ -269,6 +269,8 @@ def train(args):
         record = {"step": step + 1, "train_loss": loss.item(), "time": time.perf_counter() - t0}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             eval_loss = evaluate(forward, eval_data, args.eval_batches, per_rank, args.seq_len)
+            if args.stack == "fsdp2":
+                wrapped.reshard()  # the root stays unsharded after a forward with no backward
             record["eval_loss"] = eval_loss
         if log:
             log.write(json.dumps(record) + "\n")

@@ -20,8 +20,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 RUNS = {  # name: extra train_gpt flags (tuned learning rates)
-    "ds_muon": ["--optimizer", "ds_muon", "--lr", "0.03", "--adam-lr", "0.006"],
-    "AdamW": ["--optimizer", "adamw", "--adam-lr", "0.006"],
+    "ds_muon": ["--optimizer", "ds_muon", "--lr", "0.02", "--adam-lr", "0.003"],
+    "AdamW": ["--optimizer", "adamw", "--adam-lr", "0.0015"],
 }
 
 

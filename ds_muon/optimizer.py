@@ -28,7 +28,8 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout
-from .newton_schulz import NS_METHODS, newton_schulz, resolve_coefficients
+from .newton_schulz import NS_METHODS, newton_schulz, ns_flops, resolve_coefficients
+from .overlap import DeferredApply
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
 from .scaling import check_scale_mode, get_muon_scale_factor
 
@@ -87,6 +88,8 @@ class Muon(Optimizer):
         comm_dtype=None,
         planner: str = "locality",
         cost_model: Optional[CostModel] = None,
+        overlap: bool = False,
+        waves: int = 4,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
@@ -94,7 +97,12 @@ class Muon(Optimizer):
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of {list(NONFINITE)}")
         if planner not in STRATEGIES:
             raise ValueError(f"planner={planner!r} is unknown; use one of {list(STRATEGIES)}")
+        if not isinstance(waves, int) or waves < 1:
+            raise ValueError(f"waves must be an integer >= 1, got {waves!r}")
         self.mode = mode
+        self.overlap = bool(overlap)
+        self.waves = waves if overlap else 1
+        self._deferred = DeferredApply(model) if overlap and model is not None else None
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.model = model
@@ -176,6 +184,8 @@ class Muon(Optimizer):
         self._exchanges.clear()
         self._agreement.clear()
         self._binding_sig = None
+        if getattr(self, "_deferred", None) is not None:
+            self._deferred.reset_owners()
 
     # -- the step -------------------------------------------------------------
     @torch.no_grad()
@@ -184,6 +194,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.flush()
         self._resolve()
         self._init_state()
         active = self._check_gradients()
@@ -430,47 +441,77 @@ class Muon(Optimizer):
                 local[i] = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
             if todo:
                 work.append((layout, todo, local))
-        # every domain's exchange is issued before any is waited on, so domains proceed concurrently
-        for (layout, todo, _), results in zip(work, self._orthogonalize_all(work, group_of)):
-            for i in todo:
-                b, slot = layout.local[i]
-                if i not in results:
-                    continue
-                g = group_of[id(b.param)]
+        # every domain's (and wave's) exchange is issued before any is waited on
+        defer = self._deferred is not None and self.binder is None
+        for layout, ex, pending in self._orthogonalize_all(work, group_of):
+            apply = self._applier(layout, ex, pending, group_of)
+            if defer:
+                params = list({id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}.values())
+                self._deferred.add([id(q) for q in params], apply, params)
+            else:
+                apply()
+
+    def _applier(self, layout: Layout, ex: Exchange, pending, group_of) -> Callable[[], None]:
+        """Finish one exchange's scatter and apply its results in place.  Learning rates and
+        decay are read now, at step time, so a scheduler stepping before a deferred apply
+        cannot change this step's update."""
+        updates = []
+        for i in ex.active:
+            b, slot = layout.local[i]
+            if slot.piece is None or slot.piece.numel == 0:
+                continue
+            g = group_of[id(b.param)]
+            lr = g["lr"]
+            decay = 1 - lr * g["weight_decay"] if g["weight_decay"] and g["weight_decay_mode"] == "decoupled" else None
+            rows, cols = slot.matrix_shape
+            alpha = -lr * get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
+            updates.append((i, b, slot, decay, alpha))
+
+        @torch.no_grad()  # may run later, from a forward pre-hook
+        def apply():
+            results = ex.scatter_finish(pending)
+            for i, b, slot, decay, alpha in updates:
                 param = b.flat(b.param)[slot.local_offset:slot.local_offset + slot.piece.numel]
-                lr = g["lr"]
-                if g["weight_decay"] and g["weight_decay_mode"] == "decoupled":
-                    param.mul_(1 - lr * g["weight_decay"])
-                rows, cols = slot.matrix_shape
-                scale = get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
-                param.add_(results[i].reshape(-1), alpha=-lr * scale)
+                if decay is not None:
+                    param.mul_(decay)
+                param.add_(results[i].reshape(-1), alpha=alpha)
 
-    def _orthogonalize(self, layout: Layout, todo: List[int], local, group_of) -> Dict[int, torch.Tensor]:
-        """Exchange in, NS at home (batched by shape and settings), exchange out."""
-        return self._orthogonalize_all([(layout, todo, local)], group_of)[0]
+        return apply
 
-    def _orthogonalize_all(self, work, group_of) -> List[Dict[int, torch.Tensor]]:
-        """:meth:`_orthogonalize` for several layouts (domains) at once: all gathers are
-        issued before the first wait, NS runs per domain, then all scatters likewise."""
-        jobs = []  # (index into work, exchange, ns settings, local pieces)
-        for w, (layout, todo, local) in enumerate(work):
+    def _orthogonalize_all(self, work, group_of) -> List[tuple]:
+        """Exchange in, NS at home (batched by shape and settings), exchange out, for every
+        layout (domain) and wave at once: all gathers are issued before the first wait, NS
+        runs as each arrives, then its scatter is issued.  Returns ``(layout, exchange,
+        pending scatter)`` per exchange; the caller finishes and applies them."""
+        jobs = []  # (layout, exchange, ns settings, local pieces)
+        for layout, todo, local in work:
             key = (id(layout), tuple(todo))
             if key not in self._exchanges:
                 self._exchanges[key] = self._compile(layout, todo, group_of)
-            jobs.extend((w, ex, ns_of, local) for ex, ns_of in self._exchanges[key])
+            jobs.extend((layout, ex, ns_of, local) for ex, ns_of in self._exchanges[key])
         pending = [ex.gather_start(local) for _, ex, _, local in jobs]
-        results = []
-        for (_, ex, ns_of, _), p in zip(jobs, pending):
+        out = []
+        for (layout, ex, ns_of, _), p in zip(jobs, pending):
             stacks = ex.gather_finish(p)
             res = {}
             for skey, stack in stacks.items():
                 steps, coeffs, dtype, eps, method = ns_of[skey]
                 res[skey] = newton_schulz(stack, steps, coeffs, dtype, eps, method).contiguous()
-            results.append(ex.scatter_start(res))
-        out: List[Dict[int, torch.Tensor]] = [{} for _ in work]
-        for (w, ex, _, _), p in zip(jobs, results):
-            out[w].update(ex.scatter_finish(p))
+            out.append((layout, ex, ex.scatter_start(res)))
         return out
+
+    def flush(self) -> None:
+        """Apply every update still waiting for a forward (``overlap=True``); a no-op otherwise."""
+        if getattr(self, "_deferred", None) is not None:
+            self._deferred.flush()
+
+    def state_dict(self):
+        self.flush()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.flush()
+        super().load_state_dict(state_dict)
 
     def _compile(self, layout: Layout, todo: List[int], group_of):
         """Plan homes and build one Exchange per (gather, scatter) dtype pair."""
@@ -508,13 +549,32 @@ class Muon(Optimizer):
                 ]
                 plan = plan_homes(tasks, layout.world_size, self.planner, self.cost_model)
                 homes = {i: (h,) for i, h in zip(idx, plan.homes)}
-            compiled.append((Exchange(layout, idx, homes, stack_key, gdt, sdt, device), ns_of))
+            for wave in _split_waves(idx, layout, self.waves):
+                compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device), ns_of))
         return compiled
 
     # -- introspection --------------------------------------------------------
     def exchanges(self) -> List[Exchange]:
         """The compiled exchanges (for reports and tests)."""
         return [ex for lst in self._exchanges.values() for ex, _ in lst]
+
+
+def _split_waves(idx: List[int], layout: Layout, waves: int) -> List[List[int]]:
+    """Contiguous runs of the matrices in model order with about equal NS work each, so
+    early waves hold the parameters the next forward needs first."""
+    if waves <= 1 or len(idx) <= 1:
+        return [list(idx)]
+    cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, 5) for i in idx]
+    total, out, cur, acc = sum(cost), [], [], 0.0
+    for i, c in zip(idx, cost):
+        cur.append(i)
+        acc += c
+        if acc >= total * (len(out) + 1) / waves and len(out) < waves - 1:
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _validate_group(group: dict, gi: int) -> None:

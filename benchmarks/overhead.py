@@ -1,8 +1,10 @@
-"""Optimizer overhead on the demo model: FSDP2 at W=2, ds_muon vs AdamW (and the duplicated baseline).
+"""Optimizer overhead on the demo model: FSDP2 at W=2, ds_muon vs AdamW, the duplicated
+baseline, and overlap=True (4 waves, updates applied in the next forward).
 
 Times forward + backward + step and step() alone per iteration (medians of the
 slowest rank), for the GPT of examples/gpt.py with the demo's sizes, and prints
-Muon's overhead relative to AdamW.
+Muon's overhead relative to AdamW.  With overlap, step() returns before the last
+scatters land; their wait moves into the next forward, so compare iteration times.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ def _worker(rank, world, optimizer, iters, warmup, ns_dtype, d, layers):
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     else:
+        overlap = optimizer == "ds_muon overlap"
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=3e-3), ns_dtype=ns_dtype,
-                           mode="duplicated" if optimizer == "ds_muon duplicated" else "sharded")
+                           mode="duplicated" if optimizer == "ds_muon duplicated" else "sharded",
+                           overlap=overlap, waves=4, model=model if overlap else None)
     data, _ = split(stdlib_bytes(1_000_000))
     g = torch.Generator().manual_seed(rank)
     total, steps = [], []
@@ -67,7 +71,7 @@ def main():
     header(f"Optimizer overhead, GPT d={args.d} x {args.layers} layers, FSDP2, 2 gloo ranks, 16 x 128 tokens per rank")
     res = {}
     for name, dt in (("adamw", None), ("ds_muon", torch.bfloat16), ("ds_muon", torch.float32),
-                     ("ds_muon duplicated", torch.bfloat16)):
+                     ("ds_muon duplicated", torch.bfloat16), ("ds_muon overlap", torch.bfloat16)):
         key = name if dt is None else f"{name} ({str(dt).replace('torch.', '')} NS)"
         res[key] = dist_harness.run(_worker, 2, name, args.iters, args.warmup, dt, args.d, args.layers,
                                     timeout=900)[0]

@@ -441,6 +441,8 @@ class Muon(Optimizer):
                 local[i] = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
             if todo:
                 work.append((layout, todo, local))
+        if not work:
+            return
         # every domain's (and wave's) exchange is issued before any is waited on
         defer = self._deferred is not None and self.binder is None
         for layout, ex, pending in self._orthogonalize_all(work, group_of):

@@ -1,4 +1,4 @@
-"""Spawn gloo (or NCCL, when GPUs exist) worker processes for a test, with a hard timeout.
+"""Spawn gloo (or, with DS_MUON_TEST_BACKEND=nccl, NCCL) worker processes for a test, with a hard timeout.
 
 ``run(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in each
 process and returns the list of per-rank return values; an exception on any rank
@@ -25,7 +25,8 @@ def free_port() -> int:
 
 
 def backend() -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "gloo"
+    """gloo on CPU tensors unless a test opts into CUDA with DS_MUON_TEST_BACKEND=nccl."""
+    return os.environ.get("DS_MUON_TEST_BACKEND", "gloo")
 
 
 def _entry(rank, world, port, fn, args, out, env):

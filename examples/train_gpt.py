@@ -53,6 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--data-seed", type=int, default=0, help="batch order")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--eval-batch-size", type=int, default=16,
+                    help="sequences per eval batch, the same on every rank at every world size")
     ap.add_argument("--fsdp1-orig-params", action="store_true", help="FSDP1 with use_orig_params=True")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (FSDP2 MixedPrecisionPolicy / DeepSpeed bf16)")
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
@@ -268,7 +270,7 @@ def train(args):
             opt.step()
         record = {"step": step + 1, "train_loss": loss.item(), "time": time.perf_counter() - t0}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            eval_loss = evaluate(forward, eval_data, args.eval_batches, per_rank, args.seq_len)
+            eval_loss = evaluate(forward, eval_data, args.eval_batches, args.eval_batch_size, args.seq_len)
             if args.stack == "fsdp2":
                 wrapped.reshard()  # the root stays unsharded after a forward with no backward
             record["eval_loss"] = eval_loss

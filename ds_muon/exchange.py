@@ -104,6 +104,7 @@ class Exchange:
             for s in lst:
                 self.recv_offset[s.matrix] = off
                 off += s.piece.numel
+        self._buffers: Dict[str, object] = {}
         self.bytes_sent = (sum(self.split_send_g) * _itemsize(gather_dtype)
                            + sum(self.split_send_s) * _itemsize(scatter_dtype))
         self.bytes_received = (sum(self.split_recv_g) * _itemsize(gather_dtype)
@@ -118,17 +119,18 @@ class Exchange:
     def gather_start(self, local: Dict[int, torch.Tensor]):
         """Pack and issue the gather all_to_all without waiting (other domains' exchanges
         can be issued meanwhile); :meth:`gather_finish` waits and unpacks."""
-        stacks = {}
-        for key, idx in self.stacks.items():
-            info = self.layout.matrices[idx[0]]
-            stacks[key] = torch.empty((len(idx), info.rows, info.cols), dtype=self.gather_dtype, device=self.device)
+        stacks = self._buffer("stacks", lambda: {
+            key: torch.empty((len(idx), self.layout.matrices[idx[0]].rows, self.layout.matrices[idx[0]].cols),
+                             dtype=self.gather_dtype, device=self.device)
+            for key, idx in self.stacks.items()})
         for seg in self.self_gather:
             self._home_view(stacks, seg).copy_(local[seg.matrix].view(seg.piece.rows, seg.piece.length))
         if not self.gather_traffic:
             return stacks, None, None
-        send = self._pack(self.send_g, self.split_send_g, self.gather_dtype,
+        send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
                           lambda seg: local[seg.matrix])
-        recv = torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype, device=self.device)
+        recv = self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
+                                                          device=self.device))
         work = dist.all_to_all_single(recv, send, self.split_recv_g, self.split_send_g, group=self.group,
                                       async_op=True)
         return stacks, recv, (work, send)
@@ -162,9 +164,10 @@ class Exchange:
                 out[i] = self._home_view(results, _Segment(i, piece))
         if not self.scatter_traffic:
             return out, None, None
-        send = self._pack(self.send_s, self.split_send_s, self.scatter_dtype,
+        send = self._pack("send_s", self.send_s, self.split_send_s, self.scatter_dtype,
                           lambda seg: self._home_view(results, seg))
-        recv = torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype, device=self.device)
+        recv = self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
+                                                          device=self.device))
         work = dist.all_to_all_single(recv, send, self.split_recv_s, self.split_send_s, group=self.group,
                                       async_op=True)
         return out, recv, (work, send)
@@ -185,8 +188,16 @@ class Exchange:
         key, j = self.slot[seg.matrix]
         return seg.piece.view_in(stacks[key][j].view(-1))
 
-    def _pack(self, segs, splits, dtype, source) -> torch.Tensor:
-        buf = torch.empty(sum(splits), dtype=dtype, device=self.device)
+    def _buffer(self, name: str, make):
+        """A buffer kept across steps: its sizes are fixed by the compiled exchange, and every
+        use of the previous step's contents (waits, deferred applies) ends before the next step."""
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = make()
+        return buf
+
+    def _pack(self, name, segs, splits, dtype, source) -> torch.Tensor:
+        buf = self._buffer(name, lambda: torch.empty(sum(splits), dtype=dtype, device=self.device))
         off = 0
         for lst in segs:
             for seg in lst:

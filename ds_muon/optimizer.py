@@ -30,6 +30,7 @@ from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout
 from .newton_schulz import NS_METHODS, newton_schulz, ns_flops, resolve_coefficients
 from .overlap import DeferredApply
+from .tagging import is_transposed
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
 from .scaling import check_scale_mode, get_muon_scale_factor
 
@@ -466,6 +467,8 @@ class Muon(Optimizer):
             lr = g["lr"]
             decay = 1 - lr * g["weight_decay"] if g["weight_decay"] and g["weight_decay_mode"] == "decoupled" else None
             rows, cols = slot.matrix_shape
+            if is_transposed(b.param):  # stored [in, out]: the layer maps cols -> rows the other way
+                rows, cols = cols, rows
             alpha = -lr * get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
             updates.append((i, b, slot, decay, alpha))
 

@@ -70,6 +70,8 @@ def muon_param_groups(
     ``{label: rows}``; names relative to the module) has those tensors tagged.
     ``split_attention="qkv"`` also splits every ``nn.MultiheadAttention``'s fused
     ``in_proj_weight`` into q, k, v; ``"heads"`` into one block per head of each.
+    Weights of transformers' ``Conv1D`` (GPT-2), stored ``[in, out]``, are tagged
+    :func:`ds_muon.transposed` so their scale factor reads ``[out, in]``.
     """
     from .integrations.fsdp import is_fsdp1_model
 
@@ -98,7 +100,7 @@ SPLIT_ATTENTION = (None, "qkv", "heads")
 def tag_row_blocks(model: nn.Module, split_attention: Optional[str] = None) -> None:
     """Tag the split blocks modules declare (``ds_muon_row_blocks``) and, with
     ``split_attention``, the fused ``in_proj_weight`` of ``nn.MultiheadAttention``."""
-    from .tagging import split_rows
+    from .tagging import split_rows, transposed
 
     if split_attention not in SPLIT_ATTENTION:
         raise ValueError(f"muon_param_groups: split_attention={split_attention!r} is unknown; use one of "
@@ -117,6 +119,8 @@ def tag_row_blocks(model: nn.Module, split_attention: Optional[str] = None) -> N
                     split_rows(p, sizes)
                 except ValueError as e:
                     raise ValueError(f"muon_param_groups: {mod_name + '.' if mod_name else ''}{pname}: {e}") from None
+        if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and mod.weight.ndim == 2:
+            transposed(mod.weight)  # transformers' Conv1D (GPT-2) stores [in, out]
         if split_attention and isinstance(mod, nn.MultiheadAttention) and mod.in_proj_weight is not None:
             e, h = mod.embed_dim, mod.num_heads
             if split_attention == "qkv":

@@ -15,6 +15,8 @@ reads :func:`domain_of`.  What each stack supports is in ``docs/ADVANCED.md``.
   (column-parallel: a row range) or 1 (row-parallel: a column block).  The
   logical matrix, and so the scale factor, is the global one.
 * :func:`expert_weight` — a 3-D ``[E, out, in]`` tensor is ``E`` matrices.
+* :func:`transposed` — a 2-D weight stored ``[in, out]``; its scale factor is read
+  from ``[out, in]``.
 * :func:`domain` — the tensor's replicas live in ``group`` (expert data-parallel
   group) rather than the optimizer's ``process_group``; each domain gets its own
   Layout, plan and fused exchange.
@@ -34,6 +36,7 @@ SPLIT_ROWS = "_ds_muon_split_rows"  # tuple of (label, rows)
 TENSOR_PARALLEL = "_ds_muon_tp"  # (tp group, partition_dim)
 EXPERTS = "_ds_muon_experts"  # True: dim 0 indexes matrices
 DOMAIN = "_ds_muon_domain"  # process group of the tensor's replicas / shards
+TRANSPOSED = "_ds_muon_transposed"  # True: stored as [in, out] (GPT-2's Conv1D)
 
 Block = Tuple[str, Tuple[int, int], int]  # key, 2-D shape, start in the tensor's row-major flattening
 
@@ -52,6 +55,9 @@ def split_rows(param: torch.Tensor, sizes: Union[Sequence[int], Dict[str, int]],
     whose every expert is split alike; the *global* rows of a
     :func:`tensor_parallel` shard).  Returns ``param``.
     """
+    if getattr(param, TRANSPOSED, False):
+        raise NotImplementedError(f"ds_muon.split_rows: {_what(param)} is stored [in, out] (ds_muon.transposed): "
+                                  "its rows are inputs, not blocks of outputs")
     if isinstance(sizes, dict):
         if names is not None:
             raise ValueError("ds_muon.split_rows: give labels either as dict keys or as names=, not both")
@@ -113,6 +119,24 @@ def expert_weight(param: torch.Tensor, domain_group=None):
     if domain_group is not None:
         setattr(param, DOMAIN, domain_group)
     return param
+
+
+def transposed(param: torch.Tensor):
+    """A 2-D weight stored as ``[in, out]`` (GPT-2's ``Conv1D``): its scale factor is read
+    from ``[out, in]``.  Newton–Schulz needs nothing (orthogonalizing Gᵀ gives the
+    transpose).  :func:`ds_muon.muon_param_groups` tags ``Conv1D`` weights itself.
+    Returns ``param``."""
+    if param.ndim != 2:
+        raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is a 2-D [in, out] matrix")
+    if getattr(param, SPLIT_ROWS, None) is not None:
+        raise NotImplementedError("ds_muon.transposed: row blocks of an [in, out] weight would split the wrong "
+                                  "axis; split_rows and transposed do not combine")
+    setattr(param, TRANSPOSED, True)
+    return param
+
+
+def is_transposed(param: torch.Tensor) -> bool:
+    return bool(getattr(param, TRANSPOSED, False))
 
 
 def domain(param: torch.Tensor, group):

@@ -10,12 +10,11 @@ learning rates keep their ratio).  The GPT-2 here is randomly initialised from a
 ``stdlib_bytes``.
 
 GPT-2's ``Conv1D`` stores weights transposed, ``[in, out]``.  Newton-Schulz does not care
-(orthogonalizing Gᵀ gives the transpose of orthogonalizing G), but ds_muon's default
-``scale_mode="shape_scaling"`` factor ``sqrt(max(1, rows/cols))`` reads the stored
-shape as ``[out, in]``: ``c_fc`` (64→256) would get 1 instead of 2 and ``mlp.c_proj``
-(256→64) 2 instead of 1.  :func:`conv1d_aware_groups` splits the Muon group by shape and
-sets ``extra_scale_factor`` so each Conv1D matrix gets the factor of its ``[out, in]``
-form (``--conv1d-as-stored`` turns that off).
+(orthogonalizing Gᵀ gives the transpose of orthogonalizing G), but the default
+``scale_mode="shape_scaling"`` factor ``sqrt(max(1, out/in))`` must read ``[out, in]``:
+``ds_muon.muon_param_groups`` tags Conv1D weights ``ds_muon.transposed`` so ``c_fc``
+(64→256) gets 2 and ``mlp.c_proj`` (256→64) gets 1 (``--conv1d-as-stored`` drops the
+tags, for comparison).
 
 Rank 0 prints one JSON line: the Trainer's logged losses, eval loss before/after,
 ``muon_home_ranks`` and the per-matrix scale factors applied.
@@ -74,35 +73,17 @@ class ByteWindows(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def conv1d_aware_groups(model, lr, adam_lr, transposed_types, scale_mode="shape_scaling"):
-    """``ds_muon.muon_param_groups`` with each transposed (``[in, out]``) weight's scale corrected.
+def muon_scale_factors(groups):
+    """The factor Muon applies to each matrix of the groups (what ``Muon`` computes)."""
+    from ds_muon.tagging import is_transposed
 
-    The Muon group is split by (stored shape, transposed?); a transposed weight's group gets
-    ``extra_scale_factor = scale(out, in) / scale(in, out)``.  Returns (groups, {name: factor}).
-    """
-    transposed = {id(mod.weight) for mod in model.modules() if isinstance(mod, transposed_types)}
-    groups = ds_muon.muon_param_groups(model, lr=lr, adam_lr=adam_lr, scale_mode=scale_mode)
-    out, applied = [], {}
+    out = {}
     for g in groups:
-        if not g["use_muon"]:
-            out.append(g)
-            continue
-        by_kind = {}
-        for p, name in zip(g["params"], g["param_names"]):
-            rows, cols = p.shape[0], p[0].numel()
-            if id(p) in transposed:
-                if p.ndim != 2:
-                    raise ValueError(f"{name}: a transposed weight must be 2-D, got shape {tuple(p.shape)}")
-                factor = get_muon_scale_factor(cols, rows, scale_mode) / get_muon_scale_factor(rows, cols, scale_mode)
-            else:
-                factor = 1.0
-            applied[name] = get_muon_scale_factor(rows, cols, scale_mode, factor)
-            sub = by_kind.setdefault(factor, {**{k: v for k, v in g.items() if k not in ("params", "param_names")},
-                                              "params": [], "param_names": [], "extra_scale_factor": factor})
-            sub["params"].append(p)
-            sub["param_names"].append(name)
-        out.extend(by_kind.values())
-    return out, applied
+        if g["use_muon"]:
+            for p, name in zip(g["params"], g["param_names"]):
+                rows, cols = p.shape[0], p[0].numel()
+                out[name] = get_muon_scale_factor(*((cols, rows) if is_transposed(p) else (rows, cols)))
+    return out
 
 
 def main(argv=None):
@@ -124,12 +105,12 @@ def main(argv=None):
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
 
+    groups = ds_muon.muon_param_groups(model, lr=args.lr, adam_lr=args.adam_lr)  # tags Conv1D weights
     if args.conv1d_as_stored:
-        groups = ds_muon.muon_param_groups(model, lr=args.lr, adam_lr=args.adam_lr)
-        scales = {n: get_muon_scale_factor(p.shape[0], p[0].numel())
-                  for g in groups if g["use_muon"] for p, n in zip(g["params"], g["param_names"])}
-    else:
-        groups, scales = conv1d_aware_groups(model, args.lr, args.adam_lr, (Conv1D,))
+        for mod in model.modules():
+            if isinstance(mod, Conv1D):
+                del mod.weight._ds_muon_transposed
+    scales = muon_scale_factors(groups)
     muon = ds_muon.Muon(groups)
 
     train_data, eval_data = split(stdlib_bytes())

@@ -20,6 +20,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -267,26 +268,33 @@ def test_accelerate_train_rejects_bad_input():
 
 
 def test_hf_trainer_conv1d_groups():
+    """muon_param_groups tags GPT-2's [in, out] Conv1D weights; Muon then scales each update by
+    its [out, in] shape: one step with momentum 0 moves c_fc by exactly -lr * 2 * NS(G)."""
     transformers = pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
+
+    import ds_muon
+    from ds_muon.tagging import is_transposed
 
     ex = _load_example("hf_trainer")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
                                                                  n_positions=16, bos_token_id=0, eos_token_id=0))
-    groups, scales = ex.conv1d_aware_groups(model, 0.02, 3e-3, (Conv1D,))
-    muon_groups = [g for g in groups if g["use_muon"]]
-    # every Conv1D weight is in exactly one Muon group; the AdamW group is untouched
-    names = [n for g in muon_groups for n in g["param_names"]]
-    assert sorted(names) == sorted(n for n, m in model.named_modules() if isinstance(m, Conv1D) for n in [n + ".weight"])
-    # a [in, out] weight gets the factor of its [out, in] form, whatever the shape
-    for g in muon_groups:
-        for p in g["params"]:
-            i, o = p.shape
-            assert g["extra_scale_factor"] * math.sqrt(max(1.0, i / o)) == pytest.approx(math.sqrt(max(1.0, o / i)))
+    groups = ds_muon.muon_param_groups(model, lr=0.1)
+    conv = sorted(n + ".weight" for n, m in model.named_modules() if isinstance(m, Conv1D))
+    muon_names = [n for g in groups if g["use_muon"] for n in g["param_names"]]
+    assert sorted(muon_names) == conv
+    assert all(is_transposed(p) for g in groups if g["use_muon"] for p in g["params"])
+    scales = ex.muon_scale_factors(groups)
     assert scales["transformer.h.0.mlp.c_fc.weight"] == pytest.approx(2.0)
     assert scales["transformer.h.0.mlp.c_proj.weight"] == pytest.approx(1.0)
-    import ds_muon
-
-    ds_muon.Muon(groups)  # the split groups are valid Muon groups
-    with pytest.raises(SystemExit):
-        ex.parse_args(["--steps", "0"])
+    assert scales["transformer.h.0.attn.c_attn.weight"] == pytest.approx(math.sqrt(3))
+    fc = model.transformer.h[0].mlp.c_fc.weight  # [32, 128]: in 32, out 128
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    before = fc.detach().clone()
+    ds_muon.Muon(groups, momentum=0.0, nesterov=False, ns_dtype=torch.float32).step()
+    want = before - 0.1 * 2.0 * ds_muon.newton_schulz(fc.grad, dtype=torch.float32)
+    torch.testing.assert_close(fc.detach(), want, rtol=0, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="transposed"):
+        ds_muon.split_rows(fc, [16, 16])

@@ -105,10 +105,9 @@ class Exchange:
                 self.recv_offset[s.matrix] = off
                 off += s.piece.numel
         self._buffers: Dict[str, object] = {}
-        self.bytes_sent = (sum(self.split_send_g) * _itemsize(gather_dtype)
-                           + sum(self.split_send_s) * _itemsize(scatter_dtype))
-        self.bytes_received = (sum(self.split_recv_g) * _itemsize(gather_dtype)
-                               + sum(self.split_recv_s) * _itemsize(scatter_dtype))
+        self.bytes_sent = sum(self.split_send_g) * gather_dtype.itemsize + sum(self.split_send_s) * scatter_dtype.itemsize
+        self.bytes_received = (sum(self.split_recv_g) * gather_dtype.itemsize
+                               + sum(self.split_recv_s) * scatter_dtype.itemsize)
 
     # -- gather ---------------------------------------------------------------
     def gather(self, local: Dict[int, torch.Tensor]) -> Dict[Hashable, torch.Tensor]:
@@ -206,7 +205,3 @@ class Exchange:
                     source(seg).reshape(seg.piece.rows, seg.piece.length))
                 off += n
         return buf
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

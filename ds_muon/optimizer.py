@@ -50,10 +50,6 @@ def _dtype(value, name: str) -> torch.dtype:
     raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32')")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class Muon(Optimizer):
     """Muon for hidden weight matrices, AdamW for everything else, sharded or not.
 
@@ -256,18 +252,18 @@ class Muon(Optimizer):
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._agreement_group()
         rows, nrows, names = self._agreement_rows(items, group, world)
-        flags = torch.zeros(nrows, 3, dtype=torch.int64)  # has grad, no grad, non-finite
+        flags = [[0, 0, 0] for _ in range(nrows)]  # has grad, no grad, non-finite (one tensor below)
         checks = []
         for k, (gi, pi, p) in enumerate(items):
             k = rows[k]
             g = p.grad
             if g is None:
                 # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
-                flags[k, 1] = int(self._local_numel(p) > 0)
+                flags[k][1] = int(self._local_numel(p) > 0)
                 continue
             if g.is_sparse:
                 raise ValueError(f"ds_muon: {self._name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
-            flags[k, 0] = 1
+            flags[k][0] = 1
             lg = self._local_grad(p)
             if lg.numel():
                 # min and max in one pass: NaN and ±inf both show up in them
@@ -275,20 +271,19 @@ class Muon(Optimizer):
         if checks:
             ok = torch.isfinite(torch.stack([c for _, c in checks])).all(dim=1).cpu()
             for (k, _), good in zip(checks, ok.tolist()):
-                flags[k, 2] = int(not good)
+                flags[k][2] = int(not good)
         if world > 1:
-            dev = _comm_device(group)
-            total = flags.to(dev)
+            total = torch.tensor(flags, dtype=torch.int64, device=_comm_device(group))
             dist.all_reduce(total, group=group)
-            flags = total.cpu()
+            flags = total.cpu().tolist()
         for k in range(nrows):
-            if flags[k, 0] and flags[k, 1]:
+            if flags[k][0] and flags[k][1]:
                 raise RuntimeError(
-                    f"ds_muon: {names[k]} has a gradient on {int(flags[k, 0])} rank(s) and none on "
-                    f"{int(flags[k, 1])}; every rank must produce the same set of gradients (unused parameters "
+                    f"ds_muon: {names[k]} has a gradient on {flags[k][0]} rank(s) and none on "
+                    f"{flags[k][1]}; every rank must produce the same set of gradients (unused parameters "
                     "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
                 )
-        bad = [k for k in range(nrows) if flags[k, 2]]
+        bad = [k for k in range(nrows) if flags[k][2]]
         if bad:
             name = names[bad[0]]
             if self.nonfinite == "raise":
@@ -301,7 +296,7 @@ class Muon(Optimizer):
                 f"ds_muon: skipped step: non-finite gradient in {name} "
                 f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=3)
             return None
-        return {id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k], 0]}
+        return {id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k]][0]}
 
     def _agreement_rows(self, items, group, world) -> Tuple[List[int], int, List[str]]:
         """Where each tensor's flags go in the one all_reduce of :meth:`_check_gradients`.
@@ -534,7 +529,7 @@ class Muon(Optimizer):
             if self.comm_dtype is not None:
                 dts = (self.comm_dtype, self.comm_dtype)
             else:  # lossless: NS casts its input to ns_dtype first anyway
-                dts = (ns_dtype if _itemsize(ns_dtype) <= _itemsize(mom_dtype) else mom_dtype, ns_dtype)
+                dts = (ns_dtype if ns_dtype.itemsize <= mom_dtype.itemsize else mom_dtype, ns_dtype)
             by_dtypes.setdefault(dts, []).append(i)
             coeffs, _ = resolve_coefficients(g["ns_coefficients"], g["ns_steps"])
             skey = (info.rows, info.cols, g["ns_steps"], coeffs, ns_dtype, g["eps"], g["ns_method"])
@@ -547,7 +542,7 @@ class Muon(Optimizer):
             else:
                 tasks = [
                     MatrixTask(layout.matrices[i].rows, layout.matrices[i].cols,
-                               group_of[id(layout.local[i][0].param)]["ns_steps"], _itemsize(gdt),
+                               group_of[id(layout.local[i][0].param)]["ns_steps"], gdt.itemsize,
                                tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)),
                                group_of[id(layout.local[i][0].param)]["ns_method"])
                     for i in idx

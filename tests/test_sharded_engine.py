@@ -71,13 +71,19 @@ def boundaries(total, world):
     return [(cuts[r], cuts[r + 1]) for r in range(world)]
 
 
-def _flat_worker(rank, world, ns_dtype, mode, profile):
-    """Flat-partition layout: one local 1-D parameter per rank holding [lo, hi) of all matrices."""
-    mats, bias = _initial()
+def end_to_end(mats):
+    """(key, shape, offset) of each matrix laid end to end in one flat buffer, and its length."""
     offsets, pos = [], 0
     for i, m in enumerate(mats):
         offsets.append((f"m{i}", tuple(m.shape), pos))
         pos += m.numel()
+    return offsets, pos
+
+
+def _flat_worker(rank, world, ns_dtype, mode, profile):
+    """Flat-partition layout: one local 1-D parameter per rank holding [lo, hi) of all matrices."""
+    mats, bias = _initial()
+    offsets, pos = end_to_end(mats)
     full = torch.cat([m.reshape(-1) for m in mats])
     lo, hi = boundaries(pos, world)[rank]
     local = nn.Parameter(full[lo:hi].clone())
@@ -248,10 +254,7 @@ def test_exchange_moves_each_element_at_most_once():
 
 def _traffic_worker(rank, world):
     mats, _ = _initial()
-    offsets, pos = [], 0
-    for i, m in enumerate(mats):
-        offsets.append((f"m{i}", tuple(m.shape), pos))
-        pos += m.numel()
+    offsets, pos = end_to_end(mats)
     lo, hi = boundaries(pos, world)[rank]
     local = nn.Parameter(torch.zeros(hi - lo))
     local._ds_muon_flat = True

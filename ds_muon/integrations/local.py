@@ -9,12 +9,6 @@ from ..layout import MatrixSlot, ParamBinding, Piece
 from ..tagging import TENSOR_PARALLEL, block_slots, domain_of, is_tagged, tp_slots
 
 
-def _group_size(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
     """Each rank of ``group`` holds the full tensor, ``[0, numel)`` of its flattening.
 

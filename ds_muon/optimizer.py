@@ -29,6 +29,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout
 from .newton_schulz import NS_METHODS, newton_schulz, ns_flops, resolve_coefficients
+from .dispatch import BackwardDispatch, _Wave, final_grad_params
 from .overlap import DeferredApply
 from .tagging import is_transposed
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
@@ -87,6 +88,7 @@ class Muon(Optimizer):
         cost_model: Optional[CostModel] = None,
         overlap: bool = False,
         waves: int = 4,
+        dispatch_in_backward: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
@@ -100,6 +102,8 @@ class Muon(Optimizer):
         self.overlap = bool(overlap)
         self.waves = waves if overlap else 1
         self._deferred = DeferredApply(model) if overlap and model is not None else None
+        self._dispatch = (BackwardDispatch(self._wave_inputs, self._hyper, self._land)
+                          if overlap and model is not None and dispatch_in_backward else None)
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.model = model
@@ -116,6 +120,7 @@ class Muon(Optimizer):
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
         self._agreement: Dict[tuple, tuple] = {}  # per set of tensors: rows of the agreement all_reduce
+        self._final_grads: Optional[set] = None  # parameters whose grad hooks see final gradients
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
@@ -180,9 +185,12 @@ class Muon(Optimizer):
         self._resolved.clear()
         self._exchanges.clear()
         self._agreement.clear()
+        self._final_grads = None
         self._binding_sig = None
         if getattr(self, "_deferred", None) is not None:
             self._deferred.reset_owners()
+        if getattr(self, "_dispatch", None) is not None:
+            self._dispatch.disarm()
 
     # -- the step -------------------------------------------------------------
     @torch.no_grad()
@@ -194,8 +202,13 @@ class Muon(Optimizer):
         self.flush()
         self._resolve()
         self._init_state()
-        active = self._check_gradients()
+        try:
+            active = self._check_gradients()
+        except BaseException:
+            self._drain_early()
+            raise
         if active is None:
+            self._drain_early()
             return loss
         for g in self.param_groups:
             if not g["use_muon"]:
@@ -254,6 +267,7 @@ class Muon(Optimizer):
         rows, nrows, names = self._agreement_rows(items, group, world)
         flags = [[0, 0, 0] for _ in range(nrows)]  # has grad, no grad, non-finite (one tensor below)
         checks = []
+        minmax = {}
         for k, (gi, pi, p) in enumerate(items):
             k = rows[k]
             g = p.grad
@@ -267,15 +281,21 @@ class Muon(Optimizer):
             lg = self._local_grad(p)
             if lg.numel():
                 # min and max in one pass: NaN and ±inf both show up in them
-                checks.append((k, torch.stack(torch.aminmax(lg))))
+                minmax[id(p)] = torch.stack(torch.aminmax(lg))
+                checks.append((k, minmax[id(p)]))
         if checks:
             ok = torch.isfinite(torch.stack([c for _, c in checks])).all(dim=1).cpu()
             for (k, _), good in zip(checks, ok.tolist()):
                 flags[k][2] = int(not good)
+        # one more row: "a wave dispatched from backward read something that changed since"
+        flags.append([int(self._dispatch is not None and self._dispatch.stale(minmax)), 0, 0])
         if world > 1:
             total = torch.tensor(flags, dtype=torch.int64, device=_comm_device(group))
             dist.all_reduce(total, group=group)
             flags = total.cpu().tolist()
+        if flags[nrows][0]:  # on every rank alike: wait out the early gathers, redo them below
+            self._dispatch.redone += 1
+            self._drain_early()
         for k in range(nrows):
             if flags[k][0] and flags[k][1]:
                 raise RuntimeError(
@@ -414,30 +434,14 @@ class Muon(Optimizer):
         )
 
     def _muon(self, active: set) -> None:
-        group_of = {id(p): g for g in self.param_groups if g["use_muon"] for p in g["params"]}
-        work = []  # (layout, active matrix indices, this rank's pieces of their updates)
+        group_of = self._muon_groups()
+        work = []  # (layout, active matrix indices)
         for layout in self._layouts:
-            local: Dict[int, torch.Tensor] = {}
-            todo = []  # (matrix index, param view, group)
-            for i, (b, slot) in enumerate(layout.local):
-                p = b.param
-                if id(p) not in active:
-                    continue
-                g = group_of[id(p)]
-                todo.append(i)
-                if slot.piece is None or slot.piece.numel == 0:
-                    continue
-                sl = slice(slot.local_offset, slot.local_offset + slot.piece.numel)
-                grad = b.flat(p.grad)[sl]
-                param = b.flat(p)[sl]
-                buf = b.flat(self.state[p]["momentum_buffer"])[sl]
-                if g["weight_decay"] and g["weight_decay_mode"] == "l2":
-                    grad = grad.add(param, alpha=g["weight_decay"])
-                buf.lerp_(grad, 1 - g["momentum"])
-                local[i] = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+            todo = [i for i, (b, _) in enumerate(layout.local) if id(b.param) in active]
             if todo:
-                work.append((layout, todo, local))
+                work.append((layout, todo))
         if not work:
+            self._drain_early()
             return
         # every domain's (and wave's) exchange is issued before any is waited on
         defer = self._deferred is not None and self.binder is None
@@ -448,6 +452,73 @@ class Muon(Optimizer):
                 self._deferred.add([id(q) for q in params], apply, params)
             else:
                 apply()
+        if self._dispatch is not None and self.binder is None:
+            self._arm(work)
+
+    def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True):
+        """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov.
+
+        With ``commit=False`` (a dispatch from backward) the momentum buffers are left
+        alone and ``(buffer slice, new value)`` pairs are returned for :meth:`step` to
+        commit once the gradients are known to be good.  Returns ``(pieces, commits)``.
+        """
+        pieces: Dict[int, torch.Tensor] = {}
+        commits = []
+        group_of = self._muon_groups()
+        for i in ex.active:
+            b, slot = layout.local[i]
+            if slot.piece is None or slot.piece.numel == 0:
+                continue
+            p = b.param
+            g = group_of[id(p)]
+            sl = slice(slot.local_offset, slot.local_offset + slot.piece.numel)
+            grad = b.flat(p.grad)[sl]
+            buf = b.flat(self.state[p]["momentum_buffer"])[sl]
+            if g["weight_decay"] and g["weight_decay_mode"] == "l2":
+                grad = grad.add(b.flat(p)[sl], alpha=g["weight_decay"])
+            if commit:
+                new = buf.lerp_(grad, 1 - g["momentum"])
+            else:
+                new = buf.lerp(grad, 1 - g["momentum"])
+                commits.append((buf, new))
+            pieces[i] = grad.lerp(new, g["momentum"]) if g["nesterov"] else new
+        return pieces, commits
+
+    def _muon_groups(self) -> Dict[int, dict]:
+        """Each Muon tensor's param group, by id (looked up afresh: load_state_dict replaces groups)."""
+        return {id(p): g for g in self.param_groups if g["use_muon"] for p in g["params"]}
+
+    def _hyper(self, param_ids) -> tuple:
+        """The settings a wave's inputs depend on (besides gradients and parameters)."""
+        group_of = self._muon_groups()
+        return tuple((group_of[i]["momentum"], group_of[i]["nesterov"], group_of[i]["weight_decay"],
+                      group_of[i]["weight_decay_mode"]) for i in sorted(param_ids))
+
+    def _arm(self, work) -> None:
+        """Hook the waves of this step's exchanges whose gradients are final in backward:
+        FSDP2 parameters, and any parameter when the exchange spans one rank."""
+        final = self._final_grads
+        if final is None:
+            final = self._final_grads = final_grad_params(self.model)
+        waves = []
+        for layout, todo in work:
+            key = (id(layout), tuple(todo))
+            params = {id(layout.local[i][0].param): layout.local[i][0].param for i in todo}
+            if layout.world_size > 1 and not all(pid in final for pid in params):
+                continue
+            for ex, _ in self._exchanges[key]:
+                ps = {id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}
+                waves.append(_Wave(key, layout, ex, ps))
+        self._dispatch.arm(waves)
+
+    def _land(self, param_ids: set) -> None:
+        """Apply any update of the previous step still deferred on these parameters."""
+        if self._deferred is not None:
+            self._deferred.apply_for(param_ids)
+
+    def _drain_early(self) -> None:
+        if getattr(self, "_dispatch", None) is not None:
+            self._dispatch.drain()
 
     def _applier(self, layout: Layout, ex: Exchange, pending, group_of) -> Callable[[], None]:
         """Finish one exchange's scatter and apply its results in place.  Learning rates and
@@ -483,15 +554,18 @@ class Muon(Optimizer):
         layout (domain) and wave at once: all gathers are issued before the first wait, NS
         runs as each arrives, then its scatter is issued.  Returns ``(layout, exchange,
         pending scatter)`` per exchange; the caller finishes and applies them."""
-        jobs = []  # (layout, exchange, ns settings, local pieces)
-        for layout, todo, local in work:
+        jobs = []  # (layout, exchange, ns settings)
+        for layout, todo in work:
             key = (id(layout), tuple(todo))
             if key not in self._exchanges:
                 self._exchanges[key] = self._compile(layout, todo, group_of)
-            jobs.extend((layout, ex, ns_of, local) for ex, ns_of in self._exchanges[key])
-        pending = [ex.gather_start(local) for _, ex, _, local in jobs]
+            jobs.extend((layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
+        # gathers a backward hook already issued (momentum committed now), then the rest
+        early = self._dispatch.claim([ex for _, ex, _ in jobs]) if self._dispatch is not None else {}
+        pending = [early[id(ex)] if id(ex) in early else ex.gather_start(self._wave_inputs(layout, ex)[0])
+                   for layout, ex, _ in jobs]
         out = []
-        for (layout, ex, ns_of, _), p in zip(jobs, pending):
+        for (layout, ex, ns_of), p in zip(jobs, pending):
             stacks = ex.gather_finish(p)
             res = {}
             for skey, stack in stacks.items():

@@ -1,8 +1,11 @@
-"""overlap=True: waves of exchanges pipelined with NS, updates applied by the next forward.
+"""overlap=True: gathers issued from backward, waves pipelined with NS, updates applied by the next forward.
 
 Always bitwise equal to overlap=False; deferred updates are applied before any
 module uses its parameters, before state dicts are taken, and at the next step;
-learning-rate changes after step() do not leak into the deferred update.
+learning-rate changes after step() do not leak into the deferred update.  Gathers
+dispatched from backward are redone at step() when gradients or settings changed
+in between (clipping), dropped under gradient accumulation until the last
+micro-batch, and leave the momentum untouched when the step is skipped.
 """
 
 import pytest
@@ -27,16 +30,28 @@ def batch(step, rank=0):
     return torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
 
 
-def train(model, opt, steps=STEPS, scheduler=None):
+def train(model, opt, steps=STEPS, scheduler=None, micro=1, between=None, poison=()):
+    """``micro`` backward passes per step; ``between(model, opt, t)`` runs after backward;
+    steps in ``poison`` get a NaN input (and are skipped with nonfinite="skip")."""
     for t in range(steps):
-        x, y = batch(t)
-        loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        for m in range(micro):
+            x, y = batch(t * micro + m)
+            if t in poison:
+                x[0, 0] = float("nan")
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+        if between is not None:
+            between(model, opt, t)
         opt.step()
         if scheduler is not None:
             scheduler.step()
     return loss
+
+
+def assert_same(ref, ovl):
+    for (n, a), b in zip(ref.named_parameters(), ovl.parameters()):
+        assert torch.equal(a, b), n
 
 
 def run_pair(**kw):
@@ -81,6 +96,90 @@ def test_scheduler_after_step_does_not_change_the_deferred_update():
     o_ovl.flush()
     for a, b in zip(ref.parameters(), ovl.parameters()):
         assert torch.equal(a, b)
+
+
+def test_backward_dispatch_single_process():
+    ref, o_ref, ovl, o_ovl = run_pair()
+    train(ref, o_ref, 1)
+    train(ovl, o_ovl, 1)
+    assert o_ovl._dispatch.dispatched == 0  # the first step compiles the waves and arms the hooks
+    x, y = batch(7)
+    for m, o in ((ref, o_ref), (ovl, o_ovl)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+    assert o_ovl._dispatch.in_flight == 3  # every wave's gather left during backward
+    o_ref.step()
+    o_ovl.step()
+    assert o_ovl._dispatch.dispatched == 3 and o_ovl._dispatch.redone == 0
+    o_ovl.flush()
+    assert_same(ref, ovl)
+
+
+def _clip(model, opt, t):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+
+def _momentum_change(model, opt, t):
+    for g in opt.param_groups:
+        g["momentum"] = 0.9 - 0.1 * t
+
+
+@pytest.mark.parametrize("between", [_clip, _momentum_change], ids=["clip", "momentum"])
+def test_changes_after_backward_are_seen(between):
+    """Gradient clipping (or a new momentum) between backward and step: the early gathers are
+    stale; step() waits them out and redoes them, so the result is still exact."""
+    ref, o_ref, ovl, o_ovl = run_pair()
+    train(ref, o_ref, between=between)
+    train(ovl, o_ovl, between=between)
+    assert o_ovl._dispatch.redone == STEPS - 1
+    o_ovl.flush()
+    assert_same(ref, ovl)
+
+
+def test_gradient_accumulation_dispatches_last_micro_batch():
+    ref, o_ref, ovl, o_ovl = run_pair()
+    train(ref, o_ref, micro=3)
+    train(ovl, o_ovl, micro=3)
+    assert o_ovl._dispatch.dispatched == 3 and o_ovl._dispatch.redone == 0
+    o_ovl.flush()
+    assert_same(ref, ovl)
+
+
+def test_skipped_step_leaves_momentum_alone():
+    ref, o_ref, ovl, o_ovl = run_pair(nonfinite="skip")
+    with pytest.warns(RuntimeWarning, match="skipped step"):
+        train(ref, o_ref, steps=4, poison=(2,))
+    with pytest.warns(RuntimeWarning, match="skipped step"):
+        train(ovl, o_ovl, steps=4, poison=(2,))
+    assert o_ovl.nonfinite_skips == 1 and o_ovl._dispatch.dispatched == 3
+    o_ovl.flush()
+    assert_same(ref, ovl)
+    for a, b in zip(ref.parameters(), ovl.parameters()):
+        sa, sb = o_ref.state[a], o_ovl.state[b]
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def test_unused_layer_leaves_its_wave_to_step():
+    """A layer without a gradient in some step: the waves it is in never fill up in backward."""
+    ref, o_ref, ovl, o_ovl = run_pair()
+    for t in range(STEPS + 1):
+        for m, o in ((ref, o_ref), (ovl, o_ovl)):
+            x, y = batch(t)
+            h = m[:5](x) if t == 2 else m[:6](x)  # step 2 skips the Tanh + last Linear's input path
+            out = m[6](h) if t != 2 else h[:, :8]
+            o.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(out, y).backward()
+            o.step()
+    o_ovl.flush()
+    assert_same(ref, ovl)
+
+
+def test_dispatch_in_backward_can_be_turned_off():
+    m = make_model()
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(m), overlap=True, model=m, dispatch_in_backward=False)
+    train(m, opt)
+    assert opt._dispatch is None
 
 
 def test_bad_waves():
@@ -129,7 +228,9 @@ def test_ddp_overlap_bitwise_and_collectives(skip):
         assert pending >= 1
 
 
-def _fsdp2_worker(rank, world, overlap):
+def _fsdp2_worker(rank, world, overlap, variant="plain"):
+    """``variant``: "plain"; "no_sync" (2 micro-batches, FSDP reduces only the last);
+    "reduce_every" (2 micro-batches, both reduced); "clip" (clip_grad_norm_ before step)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -141,23 +242,51 @@ def _fsdp2_worker(rank, world, overlap):
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=torch.float32,
                        overlap=overlap, waves=3, model=model)
     storages = [p.to_local().data_ptr() for p in model.parameters()]
-    losses = []
+    losses, in_backward = [], []
+    micro = 2 if variant in ("no_sync", "reduce_every") else 1
     for t in range(STEPS):
-        x, y = batch(t)
-        loss = nn.functional.mse_loss(model(x), y)  # applies the previous step's deferred waves first
-        losses.append(loss.item())
         opt.zero_grad()
-        loss.backward()
+        for m in range(micro):
+            x, y = batch(t * micro + m, rank)
+            if variant == "no_sync":
+                model.set_requires_gradient_sync(m == micro - 1)
+            loss = nn.functional.mse_loss(model(x), y)  # applies the previous step's deferred waves first
+            losses.append(loss.item())
+            loss.backward()
+            in_backward.append(opt._dispatch.in_flight if opt._dispatch is not None else 0)  # gathers left
+        if variant == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
     opt.flush()
     assert storages == [p.to_local().data_ptr() for p in model.parameters()]
-    return losses, [p.to_local().detach().clone() for p in model.parameters()]
+    d = opt._dispatch
+    stats = (d.dispatched, d.redone, in_backward) if d is not None else None
+    return losses, [p.to_local().detach().clone() for p in model.parameters()], stats
 
 
 def test_fsdp2_overlap_bitwise():
     ref = dist_harness.run(_fsdp2_worker, 2, False)
     ovl = dist_harness.run(_fsdp2_worker, 2, True)
-    for (lr_, pr), (lo, po) in zip(ref, ovl):
+    for (lr_, pr, _), (lo, po, stats) in zip(ref, ovl):
         assert lr_ == lo  # forwards saw exactly the same weights
         for a, b in zip(pr, po):
             assert torch.equal(a, b)
+        dispatched, redone, in_backward = stats
+        assert dispatched == 3 and redone == 0
+        assert in_backward == [0, 3, 3]  # from the second step on, every gather leaves in backward
+
+
+@pytest.mark.parametrize("world,variant", [(3, "plain"), (2, "no_sync"), (2, "reduce_every"), (2, "clip")])
+def test_fsdp2_backward_dispatch_variants(world, variant):
+    """Uneven shards at W=3; gradient accumulation with and without FSDP's no-sync (only the
+    last micro-batch's dispatch is used); clipping after backward (redone at step)."""
+    ref = dist_harness.run(_fsdp2_worker, world, False, variant)
+    ovl = dist_harness.run(_fsdp2_worker, world, True, variant)
+    for (lr_, pr, _), (lo, po, (dispatched, redone, in_backward)) in zip(ref, ovl):
+        assert lr_ == lo
+        for a, b in zip(pr, po):
+            assert torch.equal(a, b)
+        assert redone == (STEPS - 1 if variant == "clip" else 0)
+        assert dispatched == (0 if variant == "clip" else 3)
+        if variant == "no_sync":  # FSDP reduces, and so dispatches, only in the last micro-batch
+            assert in_backward[2::2] == [0] * (STEPS - 1) and in_backward[3::2] == [3] * (STEPS - 1)

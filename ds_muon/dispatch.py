@@ -34,6 +34,7 @@ Why this stays bitwise equal to ``overlap=False`` and cannot deadlock:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -111,8 +112,15 @@ class BackwardDispatch:
         hooked = {}
         for w in waves:
             hooked.update(w.params)
+        me = weakref.ref(self)  # an optimizer dropped without disarming must not dispatch
+
+        def hook(p):
+            live = me()
+            if live is not None:
+                live._on_grad(p)
+
         for p in hooked.values():
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
         self._reset()
 
     def disarm(self) -> None:

@@ -502,7 +502,7 @@ class Muon(Optimizer):
             final = self._final_grads = final_grad_params(self.model)
         waves = []
         for layout, todo in work:
-            key = (id(layout), tuple(todo))
+            key = self._exchange_key(layout, todo)
             params = {id(layout.local[i][0].param): layout.local[i][0].param for i in todo}
             if layout.world_size > 1 and not all(pid in final for pid in params):
                 continue
@@ -556,7 +556,7 @@ class Muon(Optimizer):
         pending scatter)`` per exchange; the caller finishes and applies them."""
         jobs = []  # (layout, exchange, ns settings)
         for layout, todo in work:
-            key = (id(layout), tuple(todo))
+            key = self._exchange_key(layout, todo)
             if key not in self._exchanges:
                 self._exchanges[key] = self._compile(layout, todo, group_of)
             jobs.extend((layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
@@ -585,7 +585,15 @@ class Muon(Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         self.flush()
+        self._drain_early()  # their momentum was computed from the state being replaced
         super().load_state_dict(state_dict)
+
+    def _exchange_key(self, layout: Layout, todo: List[int]) -> tuple:
+        """What a compiled exchange depends on: the layout, its active matrices, and the NS
+        settings of every Muon group (they pick dtypes and stacks, and may change between steps)."""
+        ns = tuple((g["ns_steps"], repr(g["ns_coefficients"]), g["ns_dtype"], g["eps"], g["ns_method"])
+                   for g in self.param_groups if g["use_muon"])
+        return id(layout), tuple(todo), ns
 
     def _compile(self, layout: Layout, todo: List[int], group_of):
         """Plan homes and build one Exchange per (gather, scatter) dtype pair."""

@@ -175,6 +175,45 @@ def test_unused_layer_leaves_its_wave_to_step():
     assert_same(ref, ovl)
 
 
+def test_load_state_dict_between_backward_and_step():
+    import copy
+
+    ref, o_ref, ovl, o_ovl = run_pair()
+    train(ref, o_ref, 2)
+    train(ovl, o_ovl, 2)
+    sd = copy.deepcopy(o_ref.state_dict())
+    for st in sd["state"].values():
+        if "momentum_buffer" in st:
+            st["momentum_buffer"].mul_(0.5)
+    x, y = batch(9)
+    for m, o in ((ref, o_ref), (ovl, o_ovl)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        o.load_state_dict(copy.deepcopy(sd))  # the early gathers used the momentum being replaced
+        o.step()
+    o_ovl.flush()
+    assert_same(ref, ovl)
+
+
+def test_dropped_optimizer_stops_dispatching():
+    import gc
+    import weakref
+
+    m = make_model()
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(m), overlap=True, model=m)
+    train(m, opt, 2)
+    assert opt._dispatch.dispatched == 3
+    gone = weakref.ref(opt._dispatch)
+    del opt
+    gc.collect()
+    assert gone() is None  # the hooks on the parameters did not keep it alive
+    m(batch(0)[0]).sum().backward()  # the hooks stay on the parameters but find no optimizer
+    m.zero_grad()
+    again = ds_muon.Muon(ds_muon.muon_param_groups(m), overlap=True, model=m)
+    train(m, again, 2)
+    assert again._dispatch.dispatched == 3
+
+
 def test_dispatch_in_backward_can_be_turned_off():
     m = make_model()
     opt = ds_muon.Muon(ds_muon.muon_param_groups(m), overlap=True, model=m, dispatch_in_backward=False)

@@ -305,6 +305,25 @@ def test_resume_bitwise(ns_dtype, tmp_path):
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("change", [{}, {"ns_steps": 2}, {"ns_dtype": torch.float32}, {"ns_coefficients": "quintic"}])
+def test_ns_settings_changed_between_steps_take_effect(change):
+    """NS settings are read every step, not frozen in the first step's compiled exchanges."""
+    a = mlp()
+    opt_a = ds_muon.Muon(ds_muon.muon_param_groups(a))
+    train(a, [opt_a], steps=1)
+    b = copy.deepcopy(a)
+    opt_b = ds_muon.Muon(ds_muon.muon_param_groups(b))
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # in-process loads share tensors
+    for o in (opt_a, opt_b):
+        for g in o.param_groups:
+            if g["use_muon"]:
+                g.update(change)
+    train(a, [opt_a], steps=1, seed=2)  # opt_a compiled its exchanges with the old settings
+    train(b, [opt_b], steps=1, seed=2)  # opt_b never stepped before: the new settings for sure
+    for (n, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x, y), n
+
+
 def test_l2_weight_decay_differs_from_decoupled():
     outs = []
     for mode in ("decoupled", "l2"):

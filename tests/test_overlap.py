@@ -269,15 +269,20 @@ def test_ddp_overlap_bitwise_and_collectives(skip):
 
 def _fsdp2_worker(rank, world, overlap, variant="plain"):
     """``variant``: "plain"; "no_sync" (2 micro-batches, FSDP reduces only the last);
-    "reduce_every" (2 micro-batches, both reduced); "clip" (clip_grad_norm_ before step)."""
+    "reduce_every" (2 micro-batches, both reduced); "clip" (clip_grad_norm_ before step);
+    "hsdp_bf16" (2 x 2 HSDP mesh, bf16 parameters in forward and backward)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = make_model()
-    mesh = init_device_mesh("cpu", (world,))
+    if variant == "hsdp_bf16":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mesh, mp = init_device_mesh("cpu", (world,)), MixedPrecisionPolicy()
     for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(model[i], mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=torch.float32,
                        overlap=overlap, waves=3, model=model)
     storages = [p.to_local().data_ptr() for p in model.parameters()]
@@ -289,7 +294,7 @@ def _fsdp2_worker(rank, world, overlap, variant="plain"):
             x, y = batch(t * micro + m, rank)
             if variant == "no_sync":
                 model.set_requires_gradient_sync(m == micro - 1)
-            loss = nn.functional.mse_loss(model(x), y)  # applies the previous step's deferred waves first
+            loss = nn.functional.mse_loss(model(x).float(), y)  # applies the previous step's deferred waves first
             losses.append(loss.item())
             loss.backward()
             in_backward.append(opt._dispatch.in_flight if opt._dispatch is not None else 0)  # gathers left
@@ -315,9 +320,10 @@ def test_fsdp2_overlap_bitwise():
         assert in_backward == [0, 3, 3]  # from the second step on, every gather leaves in backward
 
 
-@pytest.mark.parametrize("world,variant", [(3, "plain"), (2, "no_sync"), (2, "reduce_every"), (2, "clip")])
+@pytest.mark.parametrize("world,variant", [(3, "plain"), (2, "no_sync"), (2, "reduce_every"), (2, "clip"),
+                                           (4, "hsdp_bf16")])
 def test_fsdp2_backward_dispatch_variants(world, variant):
-    """Uneven shards at W=3; gradient accumulation with and without FSDP's no-sync (only the
+    """Uneven shards at W=3; HSDP with mixed precision; gradient accumulation with and without FSDP's no-sync (only the
     last micro-batch's dispatch is used); clipping after backward (redone at step)."""
     ref = dist_harness.run(_fsdp2_worker, world, False, variant)
     ovl = dist_harness.run(_fsdp2_worker, world, True, variant)

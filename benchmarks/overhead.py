@@ -1,5 +1,6 @@
 """Optimizer overhead on the demo model: FSDP2 at W=2, ds_muon vs AdamW, the duplicated
-baseline, and overlap=True (4 waves, updates applied in the next forward).
+baseline, and overlap=True (4 waves, gathers sent from backward, updates applied in the
+next forward; benchmarks/overlap.py breaks down what that hides).
 
 Times forward + backward + step and step() alone per iteration (medians of the
 slowest rank), for the GPT of examples/gpt.py with the demo's sizes, and prints

@@ -57,7 +57,7 @@ class _Early:
     pending: tuple
     commits: List[Tuple[torch.Tensor, torch.Tensor]]  # (momentum buffer slice, new value)
     seen: Optional[List[tuple]]  # see _snapshot
-    hyper: tuple = ()  # the settings the momentum was computed with
+    hyper: tuple  # the settings the momentum was computed with
 
 
 def final_grad_params(model: nn.Module) -> set:

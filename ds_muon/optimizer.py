@@ -120,7 +120,7 @@ class Muon(Optimizer):
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
         self._agreement: Dict[tuple, tuple] = {}  # per set of tensors: rows of the agreement all_reduce
-        self._final_grads: Optional[set] = None  # parameters whose grad hooks see final gradients
+        self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
@@ -496,15 +496,16 @@ class Muon(Optimizer):
 
     def _arm(self, work) -> None:
         """Hook the waves of this step's exchanges whose gradients are final in backward:
-        FSDP2 parameters, and any parameter when the exchange spans one rank."""
-        final = self._final_grads
-        if final is None:
-            final = self._final_grads = final_grad_params(self.model)
+        FSDP2 parameters, and any parameter in a single process."""
+        if self._final_grads is None or self._final_grads[0] != self._binding_sig:
+            self._final_grads = (self._binding_sig, final_grad_params(self.model))
+        final = self._final_grads[1]
+        single = self._agreement_group()[1] == 1
         waves = []
         for layout, todo in work:
             key = self._exchange_key(layout, todo)
             params = {id(layout.local[i][0].param): layout.local[i][0].param for i in todo}
-            if layout.world_size > 1 and not all(pid in final for pid in params):
+            if not single and not all(pid in final for pid in params):
                 continue
             for ex, _ in self._exchanges[key]:
                 ps = {id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}

@@ -252,6 +252,8 @@ def _ddp_worker(rank, world, overlap, skip_forward_on_rank1):
         model[0](torch.zeros(1, 16))  # only the first layer's forward: later waves stay pending
     pending = opt._deferred.pending if opt._deferred else 0
     opt.flush()
+    if overlap:  # DDP reduces after the grad hooks fire: nothing may leave from backward
+        assert opt._dispatch.dispatched == 0 and opt._dispatch.in_flight == 0
     return [p.detach().clone() for p in model.parameters()], counts, pending
 
 

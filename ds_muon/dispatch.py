@@ -43,7 +43,7 @@ from torch import nn
 
 
 @dataclass
-class _Wave:
+class Wave:
     key: tuple  # (id(layout), active matrices): which compiled exchanges these are
     layout: object
     exchange: object
@@ -88,7 +88,7 @@ class BackwardDispatch:
         self._before = before
         self._handles: list = []
         self._armed_for: Optional[tuple] = None
-        self._waves: List[_Wave] = []
+        self._waves: List[Wave] = []
         self._waves_of: Dict[int, List[int]] = {}
         self._remaining: List[int] = []
         self._seen: set = set()
@@ -98,7 +98,7 @@ class BackwardDispatch:
         self.redone = 0  # steps whose early dispatches were stale and redone at step()
 
     # -- set-up -----------------------------------------------------------------------------
-    def arm(self, waves: List[_Wave]) -> None:
+    def arm(self, waves: List[Wave]) -> None:
         """Hook the parameters of ``waves`` (the exchanges the last step used)."""
         sig = tuple((w.key, id(w.exchange)) for w in waves)
         if sig == self._armed_for:

@@ -11,6 +11,11 @@ The step's order (every stack goes through the same path):
    (:mod:`~ds_muon.planner`), NS runs there batched by shape, results go back;
 5. each rank applies its pieces of the results in place.
 
+With ``overlap=True`` the exchange runs in waves; under FSDP2 a wave's momentum
+and gather may already have left during backward (:mod:`~ds_muon.dispatch`, its
+momentum committed here after step 1), and results may be applied by the next
+forward (:mod:`~ds_muon.overlap`).
+
 How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
 as :class:`~ds_muon.layout.ParamBinding` objects; nothing here depends on the stack.
 """
@@ -26,10 +31,10 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
+from .dispatch import BackwardDispatch, Wave, final_grad_params
 from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout
 from .newton_schulz import NS_METHODS, newton_schulz, ns_flops, resolve_coefficients
-from .dispatch import BackwardDispatch, _Wave, final_grad_params
 from .overlap import DeferredApply
 from .tagging import is_transposed
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
@@ -509,7 +514,7 @@ class Muon(Optimizer):
                 continue
             for ex, _ in self._exchanges[key]:
                 ps = {id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}
-                waves.append(_Wave(key, layout, ex, ps))
+                waves.append(Wave(key, layout, ex, ps))
         self._dispatch.arm(waves)
 
     def _land(self, param_ids: set) -> None:

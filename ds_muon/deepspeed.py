@@ -33,8 +33,9 @@ from .param_groups import muon_param_groups
 from .planner import CostModel
 
 OPTIMIZER_TYPE = "DsMuon"
-# Muon keywords that are not settings (objects ds_muon fills in from the engine)
-_NOT_FROM_CONFIG = ("self", "params", "process_group", "model")
+# Muon keywords that are not settings (objects ds_muon fills in from the engine), or that
+# cannot apply under DeepSpeed (its gradients are final only inside its own reduction)
+_NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward")
 _GROUP_KEYS = ("adam_lr", "adam_weight_decay")
 
 
@@ -83,6 +84,9 @@ def parse_params(params: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict
         if any(k in ("betas", "eps", "muon_lr", "ns_method", "max_grad_norm") for k in unknown):
             hint = (' (DeepSpeed\'s built-in Muon spells some of these differently: use "adam_betas", "adam_eps", '
                     '"lr", "ns_coefficients"; clip with the top-level "gradient_clipping")')
+        if "dispatch_in_backward" in unknown:
+            hint += (" (under DeepSpeed no gather can leave from backward: its gradients are final only inside "
+                     'its own reduction; "overlap": true still pipelines the waves inside step())')
         raise ValueError(f'ds_muon: unknown key(s) {unknown} in "optimizer": {{"type": "{OPTIMIZER_TYPE}", '
                          f'"params": ...}}{hint}; accepted: {accepted}')
     group_kw = {k: params.pop(k) for k in _GROUP_KEYS if k in params}

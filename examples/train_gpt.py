@@ -6,6 +6,7 @@ One script, every stack:
     torchrun --nproc_per_node 2 examples/train_gpt.py --stack ddp|fsdp1|fsdp2
     deepspeed --num_gpus 2 examples/train_gpt.py --stack deepspeed      # or torchrun
     ... --optimizer ds_muon|adamw|deepspeed_muon --steps 200 --save ckpt/ --resume ckpt/
+    ... --overlap      # ds_muon's exchange hidden behind backward and the next forward
 
 Every step draws one *global* batch (seeded by step) and each rank takes its
 slice, so runs at different world sizes see the same data; the single-process
@@ -57,6 +58,8 @@ def parse_args(argv=None):
                     help="sequences per eval batch, the same on every rank at every world size")
     ap.add_argument("--fsdp1-orig-params", action="store_true", help="FSDP1 with use_orig_params=True")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (FSDP2 MixedPrecisionPolicy / DeepSpeed bf16)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="ds_muon overlap=True: gathers sent from backward (FSDP2), updates applied in the next forward")
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     ap.add_argument("--ds-config", default=None, help="DeepSpeed JSON (default: configs/deepspeed/zero<stage>.json)")
     ap.add_argument("--out", default="runs/train_gpt")
@@ -68,6 +71,9 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.optimizer == "deepspeed_muon" and args.stack != "deepspeed":
         ap.error("--optimizer deepspeed_muon is DeepSpeed's built-in Muon: use it with --stack deepspeed")
+    if args.overlap and (args.optimizer != "ds_muon" or args.stack == "deepspeed"):
+        ap.error("--overlap is ds_muon's overlap=True for --stack single|ddp|fsdp1|fsdp2; under DeepSpeed set "
+                 '"overlap": true in the DsMuon "params" of the JSON config')
     args.run_name = args.run_name or f"{args.stack}-{args.optimizer}"
     return args
 
@@ -130,7 +136,8 @@ def build_optimizer(args, wrapped):
         return torch.optim.AdamW(wrapped.parameters(), lr=args.adam_lr, betas=(0.9, 0.95),
                                  weight_decay=args.weight_decay)
     groups = ds_muon.muon_param_groups(wrapped, lr=args.lr, adam_lr=args.adam_lr, weight_decay=args.weight_decay)
-    return ds_muon.Muon(groups, ns_dtype=args.ns_dtype, model=wrapped if args.stack == "fsdp1" else None)
+    return ds_muon.Muon(groups, ns_dtype=args.ns_dtype, overlap=args.overlap,
+                        model=wrapped if args.stack == "fsdp1" or args.overlap else None)
 
 
 def build_deepspeed(args, model):
@@ -292,6 +299,7 @@ def train(args):
     if muon is not None:
         homes = sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs})
         summary["muon_home_ranks"] = homes
+        summary["muon_exchanges"] = len(muon.exchanges())  # one per wave with --overlap
     if rank == 0:
         log.close()
         png = plot(args.out)

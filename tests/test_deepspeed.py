@@ -358,8 +358,11 @@ def test_unknown_param_lists_accepted_keys():
 def test_params_accept_every_muon_keyword_from_json():
     import inspect
 
-    muon_kw = set(inspect.signature(ds_muon.Muon.__init__).parameters) - {"self", "params", "process_group", "model"}
+    muon_kw = set(inspect.signature(ds_muon.Muon.__init__).parameters) - {"self", "params", "process_group", "model",
+                                                                          "dispatch_in_backward"}
     assert muon_kw <= set(ds_muon_deepspeed.accepted_params())
+    with pytest.raises(ValueError, match="no gather can leave from backward"):
+        ds_muon_deepspeed.parse_params({"overlap": True, "dispatch_in_backward": True})
     kw, group_kw = ds_muon_deepspeed.parse_params(json.loads(json.dumps({
         "lr": 0.01, "adam_lr": 1e-3, "ns_dtype": "bfloat16", "comm_dtype": "float32", "adam_betas": [0.8, 0.9],
         "ns_coefficients": [[3.4445, -4.775, 2.0315]], "cost_model": {"flops_per_s": 1e12, "bytes_per_s": 1e9},

@@ -131,6 +131,19 @@ def test_train_gpt_fsdp2_resume(tmp_path):
     assert all(size > 0.3 * total for size in shards.values()), f"one rank holds most of the state: {shards}"
 
 
+def test_train_gpt_fsdp2_overlap_is_bitwise(tmp_path):
+    """--overlap (gathers from backward, updates in the next forward) ends on the very same eval
+    loss as the plain run, evaluations in between included."""
+    pytest.importorskip("tqdm")
+    pytest.importorskip("matplotlib")
+    plain = _train_gpt("fsdp2", tmp_path, "--steps", "12", "--eval-every", "5", "--run-name", "plain")
+    ovl = _train_gpt("fsdp2", tmp_path, "--steps", "12", "--eval-every", "5", "--run-name", "overlap", "--overlap")
+    assert ovl["muon_exchanges"] > plain["muon_exchanges"]  # the waves were really on
+    assert ovl["final_eval_loss"] == plain["final_eval_loss"]
+    assert [r.get("eval_loss") for r in _metrics(tmp_path, "overlap")] == \
+        [r.get("eval_loss") for r in _metrics(tmp_path, "plain")]
+
+
 # -- examples/accelerate_train.py under the three accelerate configs -------------------------------
 def test_accelerate_fsdp2(tmp_path):
     pytest.importorskip("accelerate")

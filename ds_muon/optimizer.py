@@ -496,8 +496,9 @@ class Muon(Optimizer):
     def _hyper(self, param_ids) -> tuple:
         """The settings a wave's inputs depend on (besides gradients and parameters)."""
         group_of = self._muon_groups()
-        return tuple((group_of[i]["momentum"], group_of[i]["nesterov"], group_of[i]["weight_decay"],
-                      group_of[i]["weight_decay_mode"]) for i in sorted(param_ids))
+        keys = ("momentum", "nesterov", "weight_decay", "weight_decay_mode")
+        # a tensor no longer in a Muon group reads as None: the early dispatch is stale, not an error
+        return tuple(tuple(group_of[i][k] for k in keys) if i in group_of else None for i in sorted(param_ids))
 
     def _arm(self, work) -> None:
         """Hook the waves of this step's exchanges whose gradients are final in backward:

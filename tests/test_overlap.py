@@ -337,3 +337,20 @@ def test_fsdp2_backward_dispatch_variants(world, variant):
         assert dispatched == (0 if variant == "clip" else 3)
         if variant == "no_sync":  # FSDP reduces, and so dispatches, only in the last micro-batch
             assert in_backward[2::2] == [0] * (STEPS - 1) and in_backward[3::2] == [3] * (STEPS - 1)
+
+
+def test_param_groups_changed_between_backward_and_step():
+    """A tensor moved out of Muon after its wave left: the dispatch is stale, redone at step()."""
+    ref, o_ref, ovl, o_ovl = run_pair()
+    train(ref, o_ref, 2)
+    train(ovl, o_ovl, 2)
+    x, y = batch(5)
+    for m, o in ((ref, o_ref), (ovl, o_ovl)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        muon, adam = (next(g for g in o.param_groups if g["use_muon"] is u) for u in (True, False))
+        adam["params"].append(muon["params"].pop())  # edited in place: the last Muon matrix now takes AdamW
+        adam["param_names"].append(muon["param_names"].pop())
+        o.step()
+    o_ovl.flush()
+    assert_same(ref, ovl)

@@ -54,10 +54,10 @@ def assert_same(ref, ovl):
         assert torch.equal(a, b), n
 
 
-def run_pair(**kw):
+def run_pair(ns_dtype=torch.float32, **kw):
     ref, ovl = make_model(), make_model()
-    o_ref = ds_muon.Muon(ds_muon.muon_param_groups(ref, adam_lr=1e-2), ns_dtype=torch.float32, **kw)
-    o_ovl = ds_muon.Muon(ds_muon.muon_param_groups(ovl, adam_lr=1e-2), ns_dtype=torch.float32, overlap=True,
+    o_ref = ds_muon.Muon(ds_muon.muon_param_groups(ref, adam_lr=1e-2), ns_dtype=ns_dtype, **kw)
+    o_ovl = ds_muon.Muon(ds_muon.muon_param_groups(ovl, adam_lr=1e-2), ns_dtype=ns_dtype, overlap=True,
                          waves=3, model=ovl, **kw)
     return ref, o_ref, ovl, o_ovl
 
@@ -98,8 +98,9 @@ def test_scheduler_after_step_does_not_change_the_deferred_update():
         assert torch.equal(a, b)
 
 
-def test_backward_dispatch_single_process():
-    ref, o_ref, ovl, o_ovl = run_pair()
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_dispatch_single_process(ns_dtype):
+    ref, o_ref, ovl, o_ovl = run_pair(ns_dtype)
     train(ref, o_ref, 1)
     train(ovl, o_ovl, 1)
     assert o_ovl._dispatch.dispatched == 0  # the first step compiles the waves and arms the hooks
@@ -269,7 +270,7 @@ def test_ddp_overlap_bitwise_and_collectives(skip):
         assert pending >= 1
 
 
-def _fsdp2_worker(rank, world, overlap, variant="plain"):
+def _fsdp2_worker(rank, world, overlap, variant="plain", ns_dtype=torch.float32):
     """``variant``: "plain"; "no_sync" (2 micro-batches, FSDP reduces only the last);
     "reduce_every" (2 micro-batches, both reduced); "clip" (clip_grad_norm_ before step);
     "hsdp_bf16" (2 x 2 HSDP mesh, bf16 parameters in forward and backward)."""
@@ -285,7 +286,7 @@ def _fsdp2_worker(rank, world, overlap, variant="plain"):
     for i in (0, 2, 4):
         fully_shard(model[i], mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=torch.float32,
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=ns_dtype,
                        overlap=overlap, waves=3, model=model)
     storages = [p.to_local().data_ptr() for p in model.parameters()]
     losses, in_backward = [], []
@@ -310,9 +311,10 @@ def _fsdp2_worker(rank, world, overlap, variant="plain"):
     return losses, [p.to_local().detach().clone() for p in model.parameters()], stats
 
 
-def test_fsdp2_overlap_bitwise():
-    ref = dist_harness.run(_fsdp2_worker, 2, False)
-    ovl = dist_harness.run(_fsdp2_worker, 2, True)
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fsdp2_overlap_bitwise(ns_dtype):
+    ref = dist_harness.run(_fsdp2_worker, 2, False, "plain", ns_dtype)
+    ovl = dist_harness.run(_fsdp2_worker, 2, True, "plain", ns_dtype)
     for (lr_, pr, _), (lo, po, stats) in zip(ref, ovl):
         assert lr_ == lo  # forwards saw exactly the same weights
         for a, b in zip(pr, po):

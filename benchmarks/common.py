@@ -51,3 +51,50 @@ def table(headers: Sequence[str], rows: List[Sequence[object]]) -> None:
     for row in cells[1:]:
         print(fmt(row))
     print()
+
+
+def fsdp2_gpt(world: int, d: int, layers: int, seq: int = 128):
+    """The demo's GPT (examples/gpt.py), each block and the root under ``fully_shard`` on a CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(d=d, layers=layers, seq=seq)
+    mesh = init_device_mesh("cpu", (world,))
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def timed_iterations(model, opt, rank: int, iters: int, warmup: int, counter: List[float] = None,
+                     batch_size: int = 16, seq: int = 128) -> List[float]:
+    """Train on the stdlib bytes; per iteration the slowest rank's forward + backward + step
+    seconds, step() seconds, and what ``counter[0]`` gathered (reset each iteration).
+    Returns the medians after ``warmup`` iterations."""
+    import torch.distributed as dist
+
+    from gpt import batch, split, stdlib_bytes
+
+    counter = counter if counter is not None else [0.0]
+    data, _ = split(stdlib_bytes(1_000_000))
+    g = torch.Generator().manual_seed(rank)
+    rows = []
+    for i in range(warmup + iters):
+        x, y = batch(data, batch_size, seq, g)
+        dist.barrier()
+        counter[0] = 0.0
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        t = torch.tensor([t2 - t0, t2 - t1, counter[0]], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            rows.append(t.tolist())
+    return [statistics.median(c) for c in zip(*rows)]

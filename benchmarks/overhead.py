@@ -11,29 +11,17 @@ scatters land; their wait moves into the next forward, so compare iteration time
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
-from common import header, table
+from common import fsdp2_gpt, header, table, timed_iterations
 
 import dist_harness
 import ds_muon
-from gpt import GPT, batch, split, stdlib_bytes
 
 
 def _worker(rank, world, optimizer, iters, warmup, ns_dtype, d, layers):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = GPT(d=d, layers=layers, seq=128)
-    mesh = init_device_mesh("cpu", (world,))
-    for blk in model.blocks:
-        fully_shard(blk, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_gpt(world, d, layers)
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     else:
@@ -41,25 +29,8 @@ def _worker(rank, world, optimizer, iters, warmup, ns_dtype, d, layers):
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=3e-3), ns_dtype=ns_dtype,
                            mode="duplicated" if optimizer == "ds_muon duplicated" else "sharded",
                            overlap=overlap, waves=4, model=model if overlap else None)
-    data, _ = split(stdlib_bytes(1_000_000))
-    g = torch.Generator().manual_seed(rank)
-    total, steps = [], []
-    for i in range(warmup + iters):
-        x, y = batch(data, 16, 128, g)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        t = torch.tensor([t2 - t0, t2 - t1], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            total.append(t[0].item())
-            steps.append(t[1].item())
-    return statistics.median(total), statistics.median(steps)
+    total, step, _ = timed_iterations(model, opt, rank, iters, warmup)
+    return total, step
 
 
 def main():

@@ -17,17 +17,14 @@ of it the other settings no longer wait for.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
-from common import header, table
+from common import fsdp2_gpt, header, table, timed_iterations
 
 import dist_harness
 import ds_muon
-from gpt import GPT, batch, split, stdlib_bytes
 
 SETTINGS = {
     "overlap=False": dict(overlap=False),
@@ -53,39 +50,13 @@ def _timed_exchange(blocked: list) -> None:
 
 
 def _worker(rank, world, setting, iters, warmup, d, layers, waves):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     blocked = [0.0]
     _timed_exchange(blocked)
-    torch.manual_seed(0)
-    model = GPT(d=d, layers=layers, seq=128)
-    mesh = init_device_mesh("cpu", (world,))
-    for blk in model.blocks:
-        fully_shard(blk, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_gpt(world, d, layers)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=3e-3), ns_dtype=torch.bfloat16, waves=waves,
                        model=model, **SETTINGS[setting])
-    data, _ = split(stdlib_bytes(1_000_000))
-    g = torch.Generator().manual_seed(rank)
-    rows = []
-    for i in range(warmup + iters):
-        x, y = batch(data, 16, 128, g)
-        dist.barrier()
-        blocked[0] = 0.0
-        t0 = time.perf_counter()
-        loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        t = torch.tensor([t2 - t0, t2 - t1, blocked[0]], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            rows.append(t.tolist())
-    dispatched = opt._dispatch.dispatched if opt._dispatch is not None else 0
-    return [statistics.median(c) for c in zip(*rows)] + [dispatched]
+    medians = timed_iterations(model, opt, rank, iters, warmup, counter=blocked)
+    return medians + [opt._dispatch.dispatched if opt._dispatch is not None else 0]
 
 
 def main():

@@ -460,7 +460,7 @@ class Muon(Optimizer):
         if self._dispatch is not None and self.binder is None:
             self._arm(work)
 
-    def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True):
+    def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True, group_of=None):
         """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov.
 
         With ``commit=False`` (a dispatch from backward) the momentum buffers are left
@@ -469,7 +469,7 @@ class Muon(Optimizer):
         """
         pieces: Dict[int, torch.Tensor] = {}
         commits = []
-        group_of = self._muon_groups()
+        group_of = group_of or self._muon_groups()
         for i in ex.active:
             b, slot = layout.local[i]
             if slot.piece is None or slot.piece.numel == 0:
@@ -569,7 +569,7 @@ class Muon(Optimizer):
             jobs.extend((layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
         # gathers a backward hook already issued (momentum committed now), then the rest
         early = self._dispatch.claim([ex for _, ex, _ in jobs]) if self._dispatch is not None else {}
-        pending = [early[id(ex)] if id(ex) in early else ex.gather_start(self._wave_inputs(layout, ex)[0])
+        pending = [early[id(ex)] if id(ex) in early else ex.gather_start(self._wave_inputs(layout, ex, group_of=group_of)[0])
                    for layout, ex, _ in jobs]
         out = []
         for (layout, ex, ns_of), p in zip(jobs, pending):

@@ -291,18 +291,12 @@ def test_direct_unbound_raises_with_instructions(stage):
         assert "ds_muon.integrations.deepspeed.bind(engine)" in msg and "ds_muon.deepspeed.initialize" in msg
 
 
-def test_direct_then_bind_is_bitwise():
+@pytest.mark.parametrize("stage,bind", [(2, True), (0, False)], ids=["zero2_bound", "zero0_fp32_unbound"])
+def test_direct_optimizer_is_bitwise(stage, bind):
+    """ZeRO-2 after bind(engine); stage 0 fp32 steps the model's own replicated tensors, so the
+    default binding is right without bind."""
     ref = reference(dict(PARAMS, ns_dtype="float32"))
-    for msg, got in dist_harness.run(_direct_worker, 2, 2, True, timeout=240, env=ENV):
-        assert msg is None, msg
-        for name, want in ref.items():
-            assert torch.equal(got[name], want), name
-
-
-def test_direct_stage0_fp32_works_unbound():
-    """Stage 0 fp32 steps the model's own replicated tensors: the default binding is right."""
-    ref = reference(dict(PARAMS, ns_dtype="float32"))
-    for msg, got in dist_harness.run(_direct_worker, 2, 0, False, timeout=240, env=ENV):
+    for msg, got in dist_harness.run(_direct_worker, 2, stage, bind, timeout=240, env=ENV):
         assert msg is None, msg
         for name, want in ref.items():
             assert torch.equal(got[name], want), name

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
+from . import agreement
 from .dispatch import BackwardDispatch, Wave, final_grad_params
 from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout
@@ -126,6 +127,7 @@ class Muon(Optimizer):
         self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
         self._agreement: Dict[tuple, tuple] = {}  # per set of tensors: rows of the agreement all_reduce
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
+        self._mesh_group: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
@@ -246,9 +248,16 @@ class Muon(Optimizer):
                         st["momentum_buffer"] = _placeholder_like(p)
 
     def _agreement_group(self):
+        """The group every rank of this optimizer runs the step's collectives in: ``process_group``,
+        else the ranks of the FSDP2 mesh the parameters live on (a sub-mesh need not be the world)."""
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1
-        return self.process_group, dist.get_world_size(self.process_group)
+        group = self.process_group
+        if group is None:
+            if self._mesh_group is None or self._mesh_group[0] != self._binding_sig:
+                self._mesh_group = (self._binding_sig, _mesh_group(self.param_groups))
+            group = self._mesh_group[1]
+        return group, dist.get_world_size(group)
 
     def _local_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         b = self._bindings.get(id(p))
@@ -270,34 +279,49 @@ class Muon(Optimizer):
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._agreement_group()
         rows, nrows, names = self._agreement_rows(items, group, world)
-        flags = [[0, 0, 0] for _ in range(nrows)]  # has grad, no grad, non-finite (one tensor below)
-        checks = []
+        flags = [[0] * agreement.COLUMNS for _ in range(nrows)]  # see ds_muon.agreement
+        checks = []  # (row, (min, max), is a replica)
         minmax = {}
         for k, (gi, pi, p) in enumerate(items):
             k = rows[k]
             g = p.grad
             if g is None:
                 # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
-                flags[k][1] = int(self._local_numel(p) > 0)
+                flags[k][agreement.NO_GRAD] = int(self._local_numel(p) > 0)
                 continue
             if g.is_sparse:
                 raise ValueError(f"ds_muon: {self._name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
-            flags[k][0] = 1
+            flags[k][agreement.HAS_GRAD] = 1
             lg = self._local_grad(p)
             if lg.numel():
                 # min and max in one pass: NaN and ±inf both show up in them
                 minmax[id(p)] = torch.stack(torch.aminmax(lg))
-                checks.append((k, minmax[id(p)]))
+                checks.append((k, minmax[id(p)], world > 1 and _is_replica(p)))
         if checks:
-            ok = torch.isfinite(torch.stack([c for _, c in checks])).all(dim=1).cpu()
-            for (k, _), good in zip(checks, ok.tolist()):
-                flags[k][2] = int(not good)
+            mm = torch.stack([c for _, c, _ in checks])
+            ok = torch.isfinite(mm).all(dim=1).to(torch.int64)
+            host = torch.stack([ok, agreement.minmax_hash(mm)]) if world > 1 else ok.expand(2, -1)
+            ok, fp = host.cpu().tolist()  # one device-to-host copy
+            for (k, _, replica), good, h in zip(checks, ok, fp):
+                flags[k][agreement.NONFINITE] = int(not good)
+                if replica:  # its gradient must be the same on every rank
+                    flags[k][agreement.N_HASHED:] = agreement.hashed_row(h)[agreement.N_HASHED:]
         # one more row: "a wave dispatched from backward read something that changed since"
-        flags.append([int(self._dispatch is not None and self._dispatch.stale(minmax)), 0, 0])
+        stale = [0] * agreement.COLUMNS
+        stale[0] = int(self._dispatch is not None and self._dispatch.stale(minmax))
+        flags.append(stale)
         if world > 1:
+            settings = agreement.settings_of(self)  # and one: every rank's settings, hashed
+            flags.append(agreement.hashed_row(agreement.settings_hash(settings)))
             total = torch.tensor(flags, dtype=torch.int64, device=_comm_device(group))
             dist.all_reduce(total, group=group)
             flags = total.cpu().tolist()
+            if agreement.hashes_differ(flags[nrows + 1]):
+                everyone = [None] * world
+                dist.all_gather_object(everyone, settings, group=group)
+                raise ValueError(
+                    f"ds_muon: optimizer settings differ between ranks: {agreement.first_difference(everyone)}; "
+                    "every rank must build Muon with the same arguments and param groups, and change them alike")
         if flags[nrows][0]:  # on every rank alike: wait out the early gathers, redo them below
             self._dispatch.redone += 1
             self._drain_early()
@@ -308,6 +332,14 @@ class Muon(Optimizer):
                     f"{flags[k][1]}; every rank must produce the same set of gradients (unused parameters "
                     "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
                 )
+        drift = [k for k in range(nrows) if agreement.hashes_differ(flags[k]) and not flags[k][agreement.NONFINITE]]
+        if drift:
+            raise RuntimeError(
+                f"ds_muon: {names[drift[0]]} (and {len(drift) - 1} more) is replicated (every rank holds all of it) "
+                "but its gradient differs between ranks, so the ranks would train different models: gradients are "
+                "not being averaged. Wrap the model in DDP (or FSDP / DeepSpeed) before training; with "
+                "transformers' Trainer do not call trainer.evaluate() before trainer.train() (it then never wraps "
+                "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
         bad = [k for k in range(nrows) if flags[k][2]]
         if bad:
             name = names[bad[0]]
@@ -722,6 +754,17 @@ def _is_sharded_container(p: torch.Tensor) -> bool:
             or getattr(p, "_fsdp_flattened", False))  # FSDP1 use_orig_params=True: 1-D views
 
 
+def _is_replica(p: torch.Tensor) -> bool:
+    """Does every rank of the agreement group hold all of ``p`` (no wrapper, DDP, DeepSpeed stage 0)?
+
+    Shards (DTensors, FSDP1 flat parameters and views, ZeRO partitions) and
+    tensor-parallel pieces differ between ranks by design."""
+    from .tagging import TENSOR_PARALLEL
+
+    return not (_is_sharded_container(p) or hasattr(p, "placements")
+                or getattr(p, TENSOR_PARALLEL, None) is not None)
+
+
 def _fsdp1_view(p: torch.Tensor) -> bool:
     """An original parameter FSDP1 (use_orig_params=True) flattened into a FlatParameter."""
     return getattr(p, "_fsdp_flattened", False) and not hasattr(p, "_fqns")
@@ -745,6 +788,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _placement_sig(p: torch.Tensor):
     placements = getattr(p, "placements", None)
     return (tuple(str(x) for x in placements), tuple(p.shape)) if placements is not None else tuple(p.shape)
+
+
+def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
+    """With ``process_group=None``: the group spanning the device mesh of the DTensor parameters, None
+    (the world) when they span the world or there are none.  Raises when it cannot be named here."""
+    meshes = {}
+    for g in param_groups:
+        for p in g["params"]:
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                meshes.setdefault(tuple(mesh.mesh.flatten().tolist()), mesh)
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ValueError(
+            f"ds_muon: the DTensor parameters live on {len(meshes)} device meshes with different ranks "
+            f"({sorted(meshes)[:2]} ...); pass Muon(..., process_group=) the group spanning all of them")
+    ranks, mesh = next(iter(meshes.items()))
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    raise ValueError(
+        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)}, not the "
+        "whole world; pass Muon(..., process_group=) a process group spanning exactly those ranks (one that every "
+        "rank of the mesh created with torch.distributed.new_group)")
 
 
 def _group_key(group):

@@ -5,7 +5,10 @@
 
 The recipe is one argument: ``Trainer(..., optimizers=(ds_muon.Muon(groups), None))``;
 the Trainer builds its LR schedule on top (per-group factors, so Muon's and AdamW's
-learning rates keep their ratio).  The GPT-2 here is randomly initialised from a config
+learning rates keep their ratio).  Evaluate before training with
+``TrainingArguments(eval_on_start=True)``, never ``trainer.evaluate()`` before
+``trainer.train()``: with transformers 5.x the model is then never wrapped in DDP and
+each rank trains on its own gradients (ds_muon refuses that step on every rank).  The GPT-2 here is randomly initialised from a config
 (nothing is downloaded) and reads byte-level text from examples/gpt.py's
 ``stdlib_bytes``.
 
@@ -97,7 +100,7 @@ def main(argv=None):
     targs = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
         per_device_eval_batch_size=args.micro_batch, logging_steps=1, save_strategy="no", report_to="none",
-        seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, eval_on_start=True,
         use_cpu=on_cpu, ddp_backend="gloo" if on_cpu and launched else None,
     )
     torch.manual_seed(args.seed)
@@ -119,12 +122,13 @@ def main(argv=None):
     evalset = ByteWindows(eval_data, args.seq_len, args.eval_samples, 1234)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evalset, optimizers=(muon, None))
 
-    initial_eval = trainer.evaluate()["eval_loss"]
-    trainer.train()
+    trainer.train()  # evaluates first (eval_on_start), once the model is wrapped
+    initial_eval = next(r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r)
     final_eval = trainer.evaluate()["eval_loss"]
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     homes = sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs})
-    summary = {"script": "hf_trainer", "world": world, "steps": trainer.state.global_step, "train_losses": losses,
+    wrapped = type(trainer.model_wrapped).__name__
+    summary = {"script": "hf_trainer", "world": world, "wrapped_in": wrapped, "steps": trainer.state.global_step, "train_losses": losses,
                "initial_eval_loss": initial_eval, "final_eval_loss": final_eval, "muon_home_ranks": homes,
                "muon_scale_factors": scales, "conv1d_corrected": not args.conv1d_as_stored}
     if trainer.is_world_process_zero():

@@ -227,6 +227,7 @@ def test_hf_trainer(tmp_path):
     pytest.importorskip("transformers")
     s = _run(_torchrun("hf_trainer.py", "--steps", "20", "--seq-len", "32", "--output-dir", str(tmp_path)))
     assert s["world"] == 2 and s["steps"] == 20
+    assert s["wrapped_in"] == "DistributedDataParallel"  # ranks average their gradients
     _assert_learns(s["train_losses"], s["final_eval_loss"], s["initial_eval_loss"])
     assert s["muon_home_ranks"] == [0, 1]
     # GPT-2 Conv1D weights are stored [in, out]; the scale factor is that of [out, in]

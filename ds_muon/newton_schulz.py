@@ -111,6 +111,21 @@ def use_gram(rows: int, cols: int, steps: int) -> bool:
     return 4.0 * m * m * n + steps * 8.0 * m**3 - 4.0 * m**3 < steps * (4.0 * m * m * n + 2.0 * m**3)
 
 
+def compute_dtype(method: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype NS iterates in: ``dtype``, except that the Gram iteration asked for in
+    bf16 runs in fp16.  Measured (``benchmarks/ns_accuracy.py``): Gram in bf16 rounds about
+    5× worse than DeepSpeed's fp16 Gram, in fp16 1.2–1.7× better than it; both are 16-bit
+    matmuls, so the cost is the same on tensor cores."""
+    return torch.float16 if method == "gram" and dtype == torch.bfloat16 else dtype
+
+
+def input_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype NS reads its input in before normalising: fp16 stops at 65504, so an fp16
+    iteration normalises in fp32 first and casts after (any other dtype casts first, as
+    torch.optim.Muon does)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def newton_schulz(
     G: torch.Tensor,
     steps: int = 5,
@@ -121,7 +136,7 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Approximately orthogonalize each matrix in the last two dims of ``G``.
 
-    Returns a tensor of G's shape in ``dtype``.  Runs on the wide orientation
+    Returns a tensor of G's shape in ``compute_dtype(method, dtype)``.  Runs on the wide orientation
     (transposes when rows > cols), normalises by each matrix's Frobenius norm
     (clamped below by ``eps``) after casting to ``dtype``.  ``method="gram"``
     iterates on the small Gram matrix where that is cheaper (opt-in: it is the
@@ -133,7 +148,8 @@ def newton_schulz(
     if method not in NS_METHODS:
         raise ValueError(f"ns_method={method!r} is unknown; use one of {list(NS_METHODS)}")
     per_step, norm_scale = resolve_coefficients(coefficients, steps)
-    X = G.to(dtype)
+    dtype = compute_dtype(method, dtype)
+    X = G.to(input_dtype(dtype))
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
@@ -142,7 +158,7 @@ def newton_schulz(
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     if norm_scale != 1.0:
         norm = norm * norm_scale
-    X = X / norm.clamp(min=eps)
+    X = (X / norm.clamp(min=eps)).to(dtype)
     if method == "gram" and use_gram(X.size(-2), X.size(-1), steps):
         X = _gram_iteration(X, per_step)
     else:

@@ -35,7 +35,7 @@ from . import agreement
 from .dispatch import BackwardDispatch, Wave, final_grad_params
 from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout
-from .newton_schulz import NS_METHODS, newton_schulz, ns_flops, resolve_coefficients
+from .newton_schulz import NS_METHODS, compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
 from .overlap import DeferredApply
 from .tagging import is_transposed
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
@@ -644,13 +644,14 @@ class Muon(Optimizer):
             b, _ = layout.local[i]
             g = group_of[id(b.param)]
             info = layout.matrices[i]
-            ns_dtype = g["ns_dtype"]
+            ns_dtype = compute_dtype(g["ns_method"], g["ns_dtype"])
             mom_dtype = b.flat(b.param).dtype
             device = b.flat(b.param).device
             if self.comm_dtype is not None:
                 dts = (self.comm_dtype, self.comm_dtype)
-            else:  # lossless: NS casts its input to ns_dtype first anyway
-                dts = (ns_dtype if ns_dtype.itemsize <= mom_dtype.itemsize else mom_dtype, ns_dtype)
+            else:  # lossless: NS casts its input to this dtype first anyway
+                first = input_dtype(ns_dtype)
+                dts = (first if first.itemsize <= mom_dtype.itemsize else mom_dtype, ns_dtype)
             by_dtypes.setdefault(dts, []).append(i)
             coeffs, _ = resolve_coefficients(g["ns_coefficients"], g["ns_steps"])
             skey = (info.rows, info.cols, g["ns_steps"], coeffs, ns_dtype, g["eps"], g["ns_method"])

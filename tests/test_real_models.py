@@ -1,0 +1,159 @@
+"""ds_muon on Hugging Face ``transformers`` models built from tiny configs (no downloads).
+
+Our own GPT is not enough: these are the models users bring.  Each front door is
+checked for *which tensors take Muon* (against a rule written out here, not the
+library's), for sharded = single-process parity (``torch.equal``, fp32 and bf16 NS),
+and, where ranks hold replicas, for replicas that are still equal at the end.
+DeepSpeed ZeRO-2/3 (``zero.Init``) runs are in ``test_real_models_zero.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import ds_muon  # noqa: E402
+
+import dist_harness  # noqa: E402
+from hf_models import FAMILIES, hf_batches, hf_loss  # noqa: E402
+
+GROUPS = dict(lr=0.02, adam_lr=3e-3, weight_decay=0.1, adam_weight_decay=0.01)
+STEPS = 2
+DENSE = ("llama", "gpt2")
+
+
+def expected_muon(family: str, model) -> set:
+    """Hidden matrices, written out per family: attention and MLP projections; never embeddings,
+    the output head, norms or biases."""
+    names = {n for n, p in model.named_parameters() if n.endswith(".weight") and p.ndim == 2}
+    if family == "gpt2":
+        return {n for n in names if ".attn.c_" in n or ".mlp.c_" in n}
+    return {n for n in names if any(k in n for k in ("_proj.", "self_attn."))} - {"lm_head.weight"}
+
+
+def muon_names(groups) -> set:
+    return {n for g in groups if g.get("use_muon", True) for n in g["param_names"]}
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_which_tensors_take_muon(family):
+    model = FAMILIES[family]()
+    want = expected_muon(family, model)
+    assert want and muon_names(ds_muon.muon_param_groups(model)) == want
+
+
+def test_llama_matches_torch_optim_muon_bitwise():
+    """The single-process maths on a real model against torch's own Muon (bf16 NS, one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = FAMILIES["llama"](), FAMILIES["llama"]()
+        mats_a = [p for n, p in a.named_parameters() if n in expected_muon("llama", a)]
+        mats_b = [p for n, p in b.named_parameters() if n in expected_muon("llama", b)]
+        ours = ds_muon.Muon(mats_a, lr=0.02, momentum=0.95, weight_decay=0.1)
+        ref = torch.optim.Muon(mats_b, lr=0.02, momentum=0.95, weight_decay=0.1, adjust_lr_fn="original")
+        for idx in hf_batches(STEPS):
+            for model, opt in ((a, ours), (b, ref)):
+                hf_loss(model, idx).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        for pa, pb in zip(mats_a, mats_b):
+            assert torch.equal(pa, pb)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- FSDP2 at W=2 against one process -----------------------------------------------------------------
+def _layers(model):
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+def _single(family, ns_dtype):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = FAMILIES[family]()
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **GROUPS), ns_dtype=ns_dtype)
+        for idx in hf_batches(STEPS):
+            hf_loss(model, idx).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, muon_names(opt.param_groups)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fsdp2_worker(rank, world, cases):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for family, ns_dtype in cases:
+        model = FAMILIES[family]()
+        for layer in _layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **GROUPS), ns_dtype=ns_dtype)
+        for idx in hf_batches(STEPS):  # the same batch on every rank: the average is exact
+            hf_loss(model, idx).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[family, ns_dtype] = ({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+                                 muon_names(opt.param_groups))
+    return out
+
+
+def test_fsdp2_equals_single_process():
+    cases = [(f, d) for f in DENSE for d in (torch.float32, torch.bfloat16)]
+    results = dist_harness.run(_fsdp2_worker, 2, cases, timeout=240)
+    for case in cases:
+        want, want_muon = _single(*case)
+        for out in results:
+            got, got_muon = out[case]
+            assert got_muon == want_muon == expected_muon(case[0], FAMILIES[case[0]]())
+            for n, t in want.items():
+                assert torch.equal(got[n], t), (case, n)
+
+
+# -- transformers.Trainer, DDP over 2 ranks --------------------------------------------------------------
+def _trainer_worker(rank, world, out_dir):
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __init__(self, n):
+            self.rows = torch.cat(hf_batches(n, batch=1, seed=3))
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+    model = FAMILIES["llama"]()
+    groups = ds_muon.muon_param_groups(model, **GROUPS)
+    opt = ds_muon.Muon(groups)
+    args = TrainingArguments(output_dir=out_dir, max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+                             save_strategy="no", report_to="none", use_cpu=True, ddp_backend="gloo",
+                             dataloader_num_workers=0, disable_tqdm=True, eval_on_start=True,
+                             per_device_eval_batch_size=2)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(16), eval_dataset=Tokens(4),
+                      optimizers=(opt, None))
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    return ({n: p.detach().clone() for n, p in model.named_parameters()}, muon_names(groups),
+            type(trainer.model_wrapped).__name__, losses)
+
+
+def test_trainer_ddp_keeps_replicas_equal(tmp_path):
+    (p0, muon0, wrapped, losses), (p1, muon1, _, _) = dist_harness.run(_trainer_worker, 2, str(tmp_path),
+                                                                      timeout=240)
+    assert wrapped == "DistributedDataParallel" and len(losses) == 4
+    assert muon0 == muon1 == expected_muon("llama", FAMILIES["llama"]())
+    fresh = dict(FAMILIES["llama"]().named_parameters())
+    for n, t in p0.items():
+        assert torch.equal(t, p1[n]), n  # replicas stayed replicas
+        assert not torch.equal(t, fresh[n]), n  # and every tensor trained

@@ -92,7 +92,8 @@ def stack_plan(module: nn.Module, pname: str, shape: Sequence[int], name: str) -
     if pname != "gate_up_proj" or not module.has_gate:
         return StackPlan(None, stored_transposed)
     if stored_transposed or not module.is_concatenated:
-        layout = "[E, in, 2*ff] (is_transposed)" if stored_transposed else "[gate0, up0, gate1, ...] interleaved"
+        layout = " and ".join(w for w, on in (("as [E, in, 2*ff] (is_transposed)", stored_transposed),
+                                              ("interleaved (is_concatenated=False)", not module.is_concatenated)) if on)
         raise NotImplementedError(
             f"muon_param_groups: {name} {tuple(shape)} of {type(module).__name__} stores gate and up {layout}, "
             "so they are not row blocks ds_muon can orthogonalize apart. Tag it before building the groups: "

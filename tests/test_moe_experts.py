@@ -206,13 +206,13 @@ def _fsdp1(orig, ns_dtype):
         return {n: t.detach().clone() for n, t in fsdp.state_dict().items()}, keys
 
 
-def _fsdp1_error(orig):
+def _fsdp1_error(orig, build=_Stack, error=ValueError):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    fsdp = FSDP(_Stack(), device_id=torch.device("cpu"), use_orig_params=orig)
+    fsdp = FSDP(build(), device_id=torch.device("cpu"), use_orig_params=orig)
     try:
         ds_muon.muon_param_groups(fsdp)
-    except ValueError as e:
+    except error as e:
         return str(e)
     return None
 
@@ -225,6 +225,7 @@ def _worker(rank, world):
     out["fsdp1_orig"] = _fsdp1(True, torch.float32)
     out["error_flat"] = _fsdp1_error(False)
     out["error_orig"] = _fsdp1_error(True)
+    out["error_gpt_oss"] = _fsdp1_error(False, _tiny_gpt_oss, NotImplementedError)
     return out
 
 
@@ -246,3 +247,4 @@ def test_sharded_moe_equals_single_process_w2():
         for mode in ("error_flat", "error_orig"):
             assert out[mode] is not None and "kernels" in out[mode] and "(3, 4, 8)" in out[mode], (mode, out[mode])
             assert "ds_muon.expert_weight(p)" in out[mode]
+        assert "gate_up_proj" in out["error_gpt_oss"] and "use_orig_params=True" in out["error_gpt_oss"]

@@ -212,7 +212,11 @@ def _expert_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
     Raises for a 3+-D tensor it cannot describe exactly."""
     info = flat._param_infos[i]
     shape = tuple(int(s) for s in flat._shapes[i])
-    plan = stack_plan(info.module, info.param_name, shape, key)
+    try:
+        plan = stack_plan(info.module, info.param_name, shape, key)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{e}. Under FSDP1 the tags must be set before wrapping, with "
+                                  "use_orig_params=True (use_orig_params=False hides the parameter)") from None
     if plan is None:
         check_matrix_dims(key, shape, info.module)
         return None

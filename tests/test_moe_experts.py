@@ -58,6 +58,17 @@ def test_experts_tagged_routers_adamw(build):
         ds_muon.muon_param_groups(build(), routers="sgd")
 
 
+def test_tag_experts_on_fused_experts_keeps_gate_and_up_apart():
+    from ds_muon.integrations.moe import tag_experts
+
+    model = tiny_mixtral()
+    experts = model.model.layers[0].mlp.experts
+    tag_experts([experts], None)  # the expert data-parallel domain tag, as for plain PyTorch MoE
+    ds_muon.muon_param_groups(model)  # keeps the tags tag_experts set
+    assert getattr(experts.gate_up_proj, "_ds_muon_split_rows") == (("gate", 24), ("up", 24))
+    assert getattr(experts.down_proj, "_ds_muon_experts") is True
+
+
 def test_plain_model_gate_stays_muon():
     muon, _ = _names(ds_muon.muon_param_groups(make_gpt(gate=True)))
     assert "blocks.0.mlp.gate.weight" in muon  # a Linear named gate, with no experts beside it

@@ -13,14 +13,18 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .layout import global_shape
+
 HEAD_NAMES: Tuple[str, ...] = ("lm_head", "head", "output", "classifier")
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 
 
 def split_params(
-    model: nn.Module, head_names: Sequence[str] = HEAD_NAMES
+    model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"
 ) -> Tuple[List[Tuple[str, nn.Parameter]], List[Tuple[str, nn.Parameter]]]:
     """(muon, adamw) lists of ``(name, parameter)`` in ``model.named_parameters()`` order."""
+    from .experts import takes_adamw
+
     embedding_ids = set()
     head_ids = set()
     for mod_name, mod in model.named_modules():
@@ -30,6 +34,7 @@ def split_params(
         last = mod_name.rsplit(".", 1)[-1]
         if last in head_names:
             head_ids.update(id(p) for _, p in direct)
+        head_ids.update(id(p) for n, p in direct if takes_adamw(mod, n, routers))  # routers, expert biases
     muon, adam = [], []
     for name, p in model.named_parameters():  # a tied weight appears once
         if not p.requires_grad:
@@ -42,10 +47,12 @@ def split_params(
 
 
 def is_muon_param(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
-                  head_names: Sequence[str] = HEAD_NAMES) -> bool:
+                  head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
     """The same rule for one original tensor (used where parameters are flattened, FSDP1)."""
+    from .experts import takes_adamw
+
     return (len(shape) >= 2 and not isinstance(module, EMBEDDING_TYPES)
-            and module_name.rsplit(".", 1)[-1] not in head_names)
+            and module_name.rsplit(".", 1)[-1] not in head_names and not takes_adamw(module, name, routers))
 
 
 def muon_param_groups(
@@ -56,6 +63,7 @@ def muon_param_groups(
     adam_weight_decay: float = 0.0,
     head_names: Sequence[str] = HEAD_NAMES,
     split_attention: Optional[str] = None,
+    routers: str = "adamw",
     **muon_options,
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
@@ -72,16 +80,25 @@ def muon_param_groups(
     ``in_proj_weight`` into q, k, v; ``"heads"`` into one block per head of each.
     Weights of transformers' ``Conv1D`` (GPT-2), stored ``[in, out]``, are tagged
     :func:`ds_muon.transposed` so their scale factor reads ``[out, in]``.
+
+    MoE (:mod:`ds_muon.experts`): transformers' fused expert stacks are one matrix
+    per expert, ``gate_up_proj`` split into gate and up; expert biases take AdamW;
+    routers take AdamW unless ``routers="muon"``.  Any other Muon tensor of 3+ dims
+    that is not a conv weight raises (tag it :func:`ds_muon.expert_weight`, or build
+    the groups yourself).
     """
+    from .experts import check_routers
     from .integrations.fsdp import is_fsdp1_model
 
+    check_routers(routers)
     tag_row_blocks(model, split_attention)
 
     if is_fsdp1_model(model):  # FSDP1 hides original shapes: read them from its flat parameters
         from .integrations.fsdp import fsdp_param_groups
 
-        return fsdp_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, **muon_options)
-    muon, adam = split_params(model, head_names)
+        return fsdp_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
+                                 **muon_options)
+    muon, adam = split_params_checked(model, head_names, routers)
     if not muon and not adam:
         raise ValueError("muon_param_groups: the model has no trainable parameters")
     groups = []
@@ -92,6 +109,19 @@ def muon_param_groups(
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
                        "lr": adam_lr, "weight_decay": adam_weight_decay})
     return groups
+
+
+def split_params_checked(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"):
+    """:func:`split_params` after tagging fused expert stacks, with every 3+-D Muon tensor checked
+    to be a conv weight or an expert stack (so none is silently one wide matrix)."""
+    from .experts import check_matrix_dims, param_modules, tag_fused_experts
+
+    tag_fused_experts(model)
+    muon, adam = split_params(model, head_names, routers)
+    owners = param_modules(model)
+    for name, p in muon:
+        check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
+    return muon, adam
 
 
 SPLIT_ATTENTION = (None, "qkv", "heads")

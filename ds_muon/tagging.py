@@ -15,8 +15,8 @@ reads :func:`domain_of`.  What each stack supports is in ``docs/ADVANCED.md``.
   (column-parallel: a row range) or 1 (row-parallel: a column block).  The
   logical matrix, and so the scale factor, is the global one.
 * :func:`expert_weight` — a 3-D ``[E, out, in]`` tensor is ``E`` matrices.
-* :func:`transposed` — a 2-D weight stored ``[in, out]``; its scale factor is read
-  from ``[out, in]``.
+* :func:`transposed` — a 2-D weight (or expert stack) stored ``[in, out]``; its
+  scale factor is read from ``[out, in]``.
 * :func:`domain` — the tensor's replicas live in ``group`` (expert data-parallel
   group) rather than the optimizer's ``process_group``; each domain gets its own
   Layout, plan and fused exchange.
@@ -122,12 +122,13 @@ def expert_weight(param: torch.Tensor, domain_group=None):
 
 
 def transposed(param: torch.Tensor):
-    """A 2-D weight stored as ``[in, out]`` (GPT-2's ``Conv1D``): its scale factor is read
-    from ``[out, in]``.  Newton–Schulz needs nothing (orthogonalizing Gᵀ gives the
-    transpose).  :func:`ds_muon.muon_param_groups` tags ``Conv1D`` weights itself.
-    Returns ``param``."""
-    if param.ndim != 2:
-        raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is a 2-D [in, out] matrix")
+    """A 2-D weight stored as ``[in, out]`` (GPT-2's ``Conv1D``), or an :func:`expert_weight`
+    stack stored ``[E, in, out]``: its scale factor is read from ``[out, in]``.
+    Newton–Schulz needs nothing (orthogonalizing Gᵀ gives the transpose).
+    :func:`ds_muon.muon_param_groups` tags ``Conv1D`` weights itself.  Returns ``param``."""
+    if param.ndim != 2 and not getattr(param, EXPERTS, False):
+        raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is a 2-D [in, out] matrix "
+                         "(tag a stack [E, in, out] ds_muon.expert_weight first)")
     if getattr(param, SPLIT_ROWS, None) is not None:
         raise NotImplementedError("ds_muon.transposed: row blocks of an [in, out] weight would split the wrong "
                                   "axis; split_rows and transposed do not combine")

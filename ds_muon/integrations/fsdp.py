@@ -34,6 +34,7 @@ from torch import nn
 from ..layout import MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..param_groups import HEAD_NAMES, is_muon_param, muon_param_groups, split_params
 from ..tagging import block_slots, is_tagged
+from ..experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
 
@@ -178,7 +179,7 @@ def _group_options(optimizer, param) -> dict:
     return {}
 
 
-def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES) -> bool:
+def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
     """The :func:`~ds_muon.param_groups.split_params` rule for original tensor ``i`` of a FlatParameter.
 
     A tensor shared by several modules (tied weights) takes Muon only if every
@@ -186,11 +187,11 @@ def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES) -> bo
     """
     info = flat._param_infos[i]
     shape = tuple(flat._shapes[i])
-    if not is_muon_param(info.param_name, shape, info.module_name, info.module, head_names):
+    if not is_muon_param(info.param_name, shape, info.module_name, info.module, head_names, routers):
         return False
     for s in flat._shared_param_infos:
         if s.prim_module is info.module and s.prim_param_name == info.param_name:
-            if not is_muon_param(s.param_name, shape, s.module_name, s.module, head_names):
+            if not is_muon_param(s.param_name, shape, s.module_name, s.module, head_names, routers):
                 return False
     return True
 
@@ -205,8 +206,30 @@ def _shard_piece(flat, i: int, name: str) -> Tuple[Optional[Piece], int]:
     return Piece(int(si.intra_param_start_idx), int(si.numel_in_shard)), int(si.offset_in_shard)
 
 
+def _expert_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
+    """A meta tensor tagged as :func:`ds_muon.muon_param_groups` tags original tensor ``i`` when it
+    is a fused expert stack (FSDP1 hides or flattens the parameter itself); None for any other tensor.
+    Raises for a 3+-D tensor it cannot describe exactly."""
+    info = flat._param_infos[i]
+    shape = tuple(int(s) for s in flat._shapes[i])
+    try:
+        plan = stack_plan(info.module, info.param_name, shape, key)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{e}. Under FSDP1 the tags must be set before wrapping, with "
+                                  "use_orig_params=True (use_orig_params=False hides the parameter)") from None
+    if plan is None:
+        check_matrix_dims(key, shape, info.module)
+        return None
+    if plan.transposed:
+        raise NotImplementedError(
+            f"ds_muon: {key} {shape} is an expert stack stored [E, in, out] under FSDP1, which hides the "
+            "parameter that would carry its scale factor's orientation. Use FSDP2 (fully_shard), or "
+            "use_orig_params=True with ds_muon.expert_weight(p) and ds_muon.transposed(p) tagged before wrapping")
+    return apply_plan(torch.empty(shape, device="meta"), plan)
+
+
 def bind_fsdp1_flat(flat, name: str, group=None, head_names: Sequence[str] = HEAD_NAMES,
-                    prefix: Optional[str] = None) -> ParamBinding:
+                    prefix: Optional[str] = None, routers: str = "adamw") -> ParamBinding:
     """One FSDP1 FlatParameter shard: a MatrixSlot per original Muon tensor, AdamW ranges for the rest.
 
     Every rank lists every matrix (piece None where it holds none of it).  Keys are
@@ -222,7 +245,13 @@ def bind_fsdp1_flat(flat, name: str, group=None, head_names: Sequence[str] = HEA
     for i, fqn in enumerate(flat._fqns):
         key = base + fqn
         piece, offset = _shard_piece(flat, i, key)
-        if original_is_muon(flat, i, head_names):
+        if original_is_muon(flat, i, head_names, routers):
+            carrier = _expert_carrier(flat, i, key)
+            if carrier is not None:  # one matrix per expert (and gate/up blocks), clipped to this shard
+                lo = 0 if piece is None else piece.offset
+                hi = lo if piece is None else lo + piece.numel
+                matrices.extend(block_slots(carrier, key, lo, hi, offset, carrier.shape))
+                continue
             matrices.append(MatrixSlot(key, tuple(flat._shapes[i]), piece, offset))
         elif piece is not None:
             adam.append((offset, piece.numel))
@@ -252,9 +281,10 @@ def bind_fsdp1_orig(param, name: str, flat, i: int, group=None) -> ParamBinding:
             f"{held} of it; step the optimizer only while FSDP parameters are sharded (not inside "
             "summon_full_params)"
         )
-    if is_tagged(param):  # split rows / experts: blocks clipped to this rank's range
+    tagged = param if is_tagged(param) else _expert_carrier(flat, i, name)
+    if tagged is not None:  # split rows / experts: blocks clipped to this rank's range
         lo = 0 if piece is None else piece.offset
-        return ParamBinding(param, _flat1, block_slots(param, name, lo, lo + held, 0, shape), group=group)
+        return ParamBinding(param, _flat1, block_slots(tagged, name, lo, lo + held, 0, shape), group=group)
     return ParamBinding(param, _flat1, [MatrixSlot(name, shape, piece, 0)], group=group)
 
 
@@ -265,11 +295,13 @@ def fsdp_binder(optimizer, param, name: str) -> Optional[ParamBinding]:
         return bind_fsdp2(param, name)
     index = _index(optimizer, param) if (is_flat_param(param) or getattr(param, "_fsdp_flattened", False)) else None
     if is_flat_param(param):
-        head_names = tuple(_group_options(optimizer, param).get("head_names", HEAD_NAMES))
+        options = _group_options(optimizer, param)
+        head_names = tuple(options.get("head_names", HEAD_NAMES))
+        routers = options.get("routers", "adamw")
         if index is not None and id(param) in index.flat:
             _, prefix, group = index.flat[id(param)]
-            return bind_fsdp1_flat(param, name, group, head_names, prefix)
-        return bind_fsdp1_flat(param, name, optimizer.process_group, head_names)
+            return bind_fsdp1_flat(param, name, group, head_names, prefix, routers)
+        return bind_fsdp1_flat(param, name, optimizer.process_group, head_names, routers=routers)
     if getattr(param, "_fsdp_flattened", False):
         entry = None if index is None else index.orig.get(id(param))
         if entry is None:
@@ -286,21 +318,26 @@ def fsdp_binder(optimizer, param, name: str) -> Optional[ParamBinding]:
 # -- param groups ---------------------------------------------------------------
 def fsdp_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4, weight_decay: float = 0.0,
                       adam_weight_decay: float = 0.0, head_names: Sequence[str] = HEAD_NAMES,
-                      **muon_options) -> List[dict]:
+                      routers: str = "adamw", **muon_options) -> List[dict]:
     """:func:`ds_muon.muon_param_groups` for a model already wrapped by FSDP1 (or FSDP2).
 
     FSDP1 hides the original shapes (``use_orig_params=False``: 1-D FlatParameters;
     ``True``: 1-D views), so the shape rule cannot see them.  Here every FlatParameter
     goes to the Muon group, which carries ``adam_lr``/``adam_weight_decay`` for its
     non-matrix slices, and original parameters are split by their original shapes.
-    FSDP2 keeps global shapes, so it is plain ``muon_param_groups``.
+    FSDP2 keeps global shapes, so it is plain ``muon_param_groups``.  Fused expert stacks
+    are described from their module when the optimizer binds them (FSDP1 hides or
+    flattens the tensors); ``routers`` is kept in the group for that.
     """
     if not is_fsdp1_model(model):
-        return muon_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, **muon_options)
+        return muon_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
+                                 **muon_options)
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
+    check_routers(routers)
+    mark_routers(model)
     index = _Fsdp1Index(model)
-    rule_muon, _ = split_params(model, head_names)
+    rule_muon, _ = split_params(model, head_names, routers)
     rule_muon = {id(p) for _, p in rule_muon}
     muon, adam = [], []
     for name, p in model.named_parameters():
@@ -308,10 +345,17 @@ def fsdp_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4,
             continue
         name = clean_tensor_name(name)
         if is_flat_param(p):
+            prefix = index.flat[id(p)][1] if id(p) in index.flat else ""
+            for i, fqn in enumerate(p._fqns):  # raises now for a 3+-D tensor binding could not describe
+                if original_is_muon(p, i, head_names, routers):
+                    _expert_carrier(p, i, prefix + fqn)
             muon.append((name, p))
         elif id(p) in index.orig:
             flat, i, _, _ = index.orig[id(p)]
-            (muon if original_is_muon(flat, i, head_names) else adam).append((name, p))
+            is_muon = original_is_muon(flat, i, head_names, routers)
+            if is_muon and not is_tagged(p):
+                _expert_carrier(flat, i, name)  # raises now for a 3+-D tensor it cannot describe
+            (muon if is_muon else adam).append((name, p))
         else:
             (muon if id(p) in rule_muon else adam).append((name, p))
     groups = []
@@ -322,6 +366,8 @@ def fsdp_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4,
             g.update(adam_lr=adam_lr, adam_weight_decay=adam_weight_decay)
             if tuple(head_names) != HEAD_NAMES:
                 g["head_names"] = tuple(head_names)
+            if routers != "adamw":
+                g["routers"] = routers
         groups.append(g)
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,

@@ -46,18 +46,34 @@ def tag_experts(modules_or_params: Union[nn.Module, torch.Tensor, Iterable], exp
     with the expert data-parallel domain ``expert_dp_group``.
 
     With ``stacked=True`` (default) a parameter of ``ndim >= 3`` is a stack of
-    expert matrices ``[E, out, in]`` and is tagged :func:`ds_muon.expert_weight`.
-    Returns the tagged parameters.
+    expert matrices ``[E, out, in]`` and is tagged :func:`ds_muon.expert_weight`;
+    the stacks of a transformers experts module get the tags
+    :func:`ds_muon.muon_param_groups` gives them (gate and up apart), which
+    ``muon_param_groups`` then keeps.  Returns the tagged parameters.
     """
+    if not isinstance(modules_or_params, (nn.Module, torch.Tensor)):
+        modules_or_params = list(modules_or_params)  # read twice below
     params = _params(modules_or_params)
     if not params:
         raise ValueError("ds_muon.tag_experts: no parameters given")
+    if stacked:
+        _tag_fused_stacks(modules_or_params)
     for p in params:
         if stacked and p.ndim >= 3:
             expert_weight(p, expert_dp_group)
         else:
             domain(p, expert_dp_group)
     return params
+
+
+def _tag_fused_stacks(modules_or_params) -> None:
+    """Per-expert (and gate/up) tags for the fused stacks of transformers experts modules given."""
+    from ..experts import tag_fused_experts
+
+    mods = [modules_or_params] if isinstance(modules_or_params, nn.Module) else (
+        [] if isinstance(modules_or_params, torch.Tensor) else [m for m in modules_or_params if isinstance(m, nn.Module)])
+    for m in mods:
+        tag_fused_experts(m)
 
 
 def is_deepspeed_expert(p: torch.Tensor) -> bool:

@@ -93,10 +93,8 @@ def muon_param_groups(
             f"embedding, an output head ({list(head_names)}), or has fewer than 2 dimensions), so Muon would train "
             "nothing and everything would silently run AdamW. Use AdamW itself for such a model, or pass "
             "head_names= if a hidden layer is named like a head")
-    groups = []
-    if muon:
-        groups.append({"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
-                       "lr": lr, "weight_decay": weight_decay, **muon_options})
+    groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
+               "lr": lr, "weight_decay": weight_decay, **muon_options}]
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
                        "lr": adam_lr, "weight_decay": adam_weight_decay})

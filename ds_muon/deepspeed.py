@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .integrations.deepspeed import HOW_TO_BIND, bind, check_no_deepspeed_muon_tags
+from .integrations.deepspeed import HOW_TO_BIND, bind, check_no_deepspeed_muon_tags, check_supported_config
 from .optimizer import Muon
 from .param_groups import muon_param_groups
 from .planner import CostModel
@@ -134,6 +134,7 @@ def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any
     extra = sorted(set(entry) - {"type", "params"})
     if extra:
         raise ValueError(f'ds_muon: unknown key(s) {extra} in the "optimizer" entry; it takes "type" and "params"')
+    check_supported_config(cfg)
     check_no_deepspeed_muon_tags(list(model.parameters()), {p: n for n, p in model.named_parameters()})
     muon = build_optimizer(model, entry.get("params"))
     cfg["zero_allow_untested_optimizer"] = True
@@ -178,6 +179,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         if "optimizer" in cfg:
             raise ValueError('ds_muon: a ds_muon.Muon was passed and the config has an "optimizer" entry too; '
                              "remove the entry")
+        check_supported_config(cfg)
         check_no_deepspeed_muon_tags(list(model.parameters()), names)
     else:
         kw = {} if distributed_port is None else {"distributed_port": distributed_port}

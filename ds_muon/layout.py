@@ -65,12 +65,15 @@ class MatrixSlot:
     ``shape`` is the original tensor's global shape; Muon treats it as
     ``[shape[0], prod(shape[1:])]``.  ``piece`` is what this rank holds of it,
     None when nothing; it sits at ``local_offset`` of the binding's flat data.
+    ``transposed``: the tensor is stored ``[in, out]`` (:func:`ds_muon.transposed`), recorded
+    here for bindings whose tensor is a flat partition that cannot carry the tag itself.
     """
 
     key: str
     shape: Tuple[int, ...]
     piece: Optional[Piece]
     local_offset: int = 0
+    transposed: bool = False
 
     @property
     def matrix_shape(self) -> Tuple[int, int]:

@@ -34,7 +34,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from . import agreement
 from .dispatch import BackwardDispatch, Wave, final_grad_params
 from .exchange import Exchange
-from .layout import Layout, ParamBinding, build_layout
+from .layout import Layout, ParamBinding, build_layout, global_shape
 from .newton_schulz import NS_METHODS, compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
 from .overlap import DeferredApply
 from .tagging import is_transposed
@@ -177,7 +177,7 @@ class Muon(Optimizer):
                 if not g["use_muon"]:
                     continue
                 for pi, p in enumerate(g["params"]):
-                    if self.binder is None and p.ndim < 2 and not _is_sharded_container(p):
+                    if self.binder is None and len(global_shape(p)) < 2 and not _is_sharded_container(p):
                         raise RuntimeError(_unbound_message(self._name(gi, pi), p))
                     b = binder(self, p, self._name(gi, pi))
                     bindings[id(p)] = b
@@ -572,7 +572,7 @@ class Muon(Optimizer):
             lr = g["lr"]
             decay = 1 - lr * g["weight_decay"] if g["weight_decay"] and g["weight_decay_mode"] == "decoupled" else None
             rows, cols = slot.matrix_shape
-            if is_transposed(b.param):  # stored [in, out]: the layer maps cols -> rows the other way
+            if slot.transposed or is_transposed(b.param):  # stored [in, out]: the layer maps cols -> rows the other way
                 rows, cols = cols, rows
             alpha = -lr * get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
             updates.append((i, b, slot, decay, alpha))
@@ -729,10 +729,10 @@ def _validate_group(group: dict, gi: int) -> None:
         raise ValueError(f"param_groups[{gi}]: eps (the NS normalisation floor) must be > 0, got {group['eps']!r}")
     names = group.get("param_names")
     for pi, p in enumerate(group["params"]):
-        if p.ndim < 2 and not _is_sharded_container(p):
+        if len(global_shape(p)) < 2 and not _is_sharded_container(p):
             name = names[pi] if names else f"params[{pi}]"
             raise ValueError(
-                f"param_groups[{gi}] {name}: a Muon group holds a tensor of shape {tuple(p.shape)}; Muon "
+                f"param_groups[{gi}] {name}: a Muon group holds a tensor of shape {global_shape(p)}; Muon "
                 "needs matrices (ndim >= 2). Build groups with ds_muon.muon_param_groups(model) or put "
                 "this tensor in a group with use_muon=False (AdamW)"
             )
@@ -750,8 +750,9 @@ def _unbound_message(name: str, p: torch.Tensor) -> str:
 
 
 def _is_sharded_container(p: torch.Tensor) -> bool:
-    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions)."""
-    return (hasattr(p, "_fqns") or hasattr(p, "ds_shape") or getattr(p, "_ds_muon_flat", False)
+    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions).
+    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`~ds_muon.layout.global_shape`)."""
+    return (hasattr(p, "_fqns") or getattr(p, "_ds_muon_flat", False)
             or getattr(p, "_fsdp_flattened", False))  # FSDP1 use_orig_params=True: 1-D views
 
 

@@ -39,7 +39,7 @@ def split_params(
     for name, p in model.named_parameters():  # a tied weight appears once
         if not p.requires_grad:
             continue
-        if p.ndim >= 2 and id(p) not in embedding_ids and id(p) not in head_ids:
+        if len(global_shape(p)) >= 2 and id(p) not in embedding_ids and id(p) not in head_ids:
             muon.append((name, p))
         else:
             adam.append((name, p))
@@ -98,13 +98,18 @@ def muon_param_groups(
 
         return fsdp_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
                                  **muon_options)
+    check_shapes_are_known(model)
     muon, adam = split_params_checked(model, head_names, routers)
     if not muon and not adam:
         raise ValueError("muon_param_groups: the model has no trainable parameters")
-    groups = []
-    if muon:
-        groups.append({"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
-                       "lr": lr, "weight_decay": weight_decay, **muon_options})
+    if not muon:
+        raise ValueError(
+            f"muon_param_groups: no hidden weight matrix found among {len(adam)} trainable tensors (every one is an "
+            f"embedding, an output head ({list(head_names)}), or has fewer than 2 dimensions), so Muon would train "
+            "nothing and everything would silently run AdamW. Use AdamW itself for such a model, or pass "
+            "head_names= if a hidden layer is named like a head")
+    groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
+               "lr": lr, "weight_decay": weight_decay, **muon_options}]
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
                        "lr": adam_lr, "weight_decay": adam_weight_decay})
@@ -122,6 +127,20 @@ def split_params_checked(model: nn.Module, head_names: Sequence[str] = HEAD_NAME
     for name, p in muon:
         check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
     return muon, adam
+
+
+def check_shapes_are_known(model: nn.Module) -> None:
+    """Refuse a model whose parameters a stack ds_muon does not know has partitioned away: most of
+    them 1-D and empty without ZeRO-3's ``ds_shape``, so matrices would land in AdamW unseen.  (A
+    single empty tensor, e.g. the bias of ``nn.Linear(8, 0)``, is a real shape and steps.)"""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = [n for n, p in trainable if p.ndim == 1 and p.numel() == 0 and getattr(p, "ds_shape", None) is None]
+    if hidden and 2 * len(hidden) >= len(trainable):
+        raise ValueError(
+            f"muon_param_groups: {hidden[:5]}{' and more' if len(hidden) > 5 else ''} ({len(hidden)} in all) have "
+            "no elements and no recorded shape (ZeRO-3 keeps it in ds_shape), so ds_muon cannot tell matrices "
+            "from vectors. Build the groups before the model is partitioned, or with the stack that partitioned it "
+            "(deepspeed.zero.Init and FSDP are read through their own metadata)")
 
 
 SPLIT_ATTENTION = (None, "qkv", "heads")
@@ -149,7 +168,7 @@ def tag_row_blocks(model: nn.Module, split_attention: Optional[str] = None) -> N
                     split_rows(p, sizes)
                 except ValueError as e:
                     raise ValueError(f"muon_param_groups: {mod_name + '.' if mod_name else ''}{pname}: {e}") from None
-        if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and mod.weight.ndim == 2:
+        if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and len(global_shape(mod.weight)) == 2:
             transposed(mod.weight)  # transformers' Conv1D (GPT-2) stores [in, out]
         if split_attention and isinstance(mod, nn.MultiheadAttention) and mod.in_proj_weight is not None:
             e, h = mod.embed_dim, mod.num_heads

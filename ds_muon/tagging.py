@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .layout import MatrixSlot, Piece, matrix_shape, slots_in_range
+from .layout import MatrixSlot, Piece, global_shape, matrix_shape, slots_in_range
 
 SPLIT_ROWS = "_ds_muon_split_rows"  # tuple of (label, rows)
 TENSOR_PARALLEL = "_ds_muon_tp"  # (tp group, partition_dim)
@@ -42,7 +42,7 @@ Block = Tuple[str, Tuple[int, int], int]  # key, 2-D shape, start in the tensor'
 
 
 def _what(param) -> str:
-    return f"a tensor of shape {tuple(param.shape)}"
+    return f"a tensor of shape {global_shape(param)}"
 
 
 def split_rows(param: torch.Tensor, sizes: Union[Sequence[int], Dict[str, int]], names: Optional[Sequence[str]] = None):
@@ -71,7 +71,7 @@ def split_rows(param: torch.Tensor, sizes: Union[Sequence[int], Dict[str, int]],
         raise ValueError(f"ds_muon.split_rows: block names {labels} repeat")
     if not counts or any(not isinstance(c, int) or isinstance(c, bool) or c <= 0 for c in counts):
         raise ValueError(f"ds_muon.split_rows: sizes must be positive ints, got {list(counts)} for {_what(param)}")
-    if param.ndim < 2:
+    if len(global_shape(param)) < 2:
         raise ValueError(f"ds_muon.split_rows: {_what(param)} is not a matrix")
     setattr(param, SPLIT_ROWS, tuple(zip(labels, counts)))
     return param
@@ -110,7 +110,7 @@ def expert_weight(param: torch.Tensor, domain_group=None):
     shards) of these experts, when it differs from the optimizer's
     ``process_group``.  Returns ``param``.
     """
-    if param.ndim < 3:
+    if len(global_shape(param)) < 3:
         raise ValueError(f"ds_muon.expert_weight: {_what(param)}; an expert stack is [E, out, in]")
     if getattr(param, TENSOR_PARALLEL, None) is not None:
         raise NotImplementedError("ds_muon.expert_weight: expert weights split over tensor parallelism are not "
@@ -126,7 +126,7 @@ def transposed(param: torch.Tensor):
     stack stored ``[E, in, out]``: its scale factor is read from ``[out, in]``.
     Newton–Schulz needs nothing (orthogonalizing Gᵀ gives the transpose).
     :func:`ds_muon.muon_param_groups` tags ``Conv1D`` weights itself.  Returns ``param``."""
-    if param.ndim != 2 and not getattr(param, EXPERTS, False):
+    if len(global_shape(param)) != 2 and not getattr(param, EXPERTS, False):
         raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is a 2-D [in, out] matrix "
                          "(tag a stack [E, in, out] ds_muon.expert_weight first)")
     if getattr(param, SPLIT_ROWS, None) is not None:
@@ -174,7 +174,7 @@ def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
     its own shape (conv weights stay ``[out, in·k·k]``); blocks are keyed
     ``name[label]``, experts ``name[e]``.
     """
-    shape = tuple(int(s) for s in (param.shape if shape is None else shape))
+    shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))
     split = getattr(param, SPLIT_ROWS, None)
     if getattr(param, EXPERTS, False):
         if len(shape) < 3:

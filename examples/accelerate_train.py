@@ -15,7 +15,7 @@ The same files run on GPUs (NCCL) and on CPUs (gloo); see docs/ACCELERATE.md.
 * DeepSpeed: the JSON config carries the ``"type": "DsMuon"`` optimizer entry.
   ``ds_muon.deepspeed.optimizer_from_config`` turns it into a ``ds_muon.Muon`` and
   removes it from the config accelerate hands to DeepSpeed (accelerate refuses an
-  optimizer in both places); after ``prepare``, ``ds_muon.deepspeed.bind`` tells the
+  optimizer in both places); after ``prepare``, ``ds_muon.integrations.deepspeed.bind(engine)`` tells the
   Muon where ZeRO put each matrix.
 
 Rank 0 prints one JSON line at the end: losses, ``muon_home_ranks`` (the ranks that ran
@@ -49,7 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=None,
                     help="Muon learning rate (default 0.02; DeepSpeed: the DsMuon entry's, overridden when given)")
     ap.add_argument("--adam-lr", type=float, default=None,
-                    help="AdamW-group learning rate (default 3e-3; DeepSpeed: the DsMuon entry's adam_lr, overridden when given)")
+                    help="AdamW-group learning rate (default: ds_muon's 3e-4, the same as the shipped DsMuon "
+                         "entries; DeepSpeed: the entry's adam_lr, overridden when given)")
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -163,9 +164,9 @@ def deepspeed_muon(accelerator, model, args):
 
 
 def plain_muon(model, args):
-    lr = 0.02 if args.lr is None else args.lr
-    adam_lr = 3e-3 if args.adam_lr is None else args.adam_lr
-    return ds_muon.Muon(ds_muon.muon_param_groups(model, lr=lr, adam_lr=adam_lr))
+    """ds_muon's default groups; ``--lr``/``--adam-lr`` override the library defaults (0.02, 3e-4)."""
+    given = {k: v for k, v in (("lr", args.lr), ("adam_lr", args.adam_lr)) if v is not None}
+    return ds_muon.Muon(ds_muon.muon_param_groups(model, **given))
 
 
 def find_muon(opt):
@@ -195,7 +196,7 @@ def main(argv=None):
         muon = deepspeed_muon(accelerator, model, args)
         model, opt, loader = accelerator.prepare(model, muon, loader)
         engine = model  # the DeepSpeedEngine
-        ds_muon.deepspeed.bind(engine, muon)
+        ds_muon.integrations.deepspeed.bind(engine)
     elif cpu_fsdp2:
         model = fully_shard_on_cpu(accelerator, model)
         muon = plain_muon(model, args)

@@ -45,7 +45,9 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per process per step")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.02, help="Muon learning rate")
-    ap.add_argument("--adam-lr", type=float, default=3e-3, help="learning rate of the AdamW group")
+    ap.add_argument("--adam-lr", type=float, default=3e-3,
+                    help="learning rate of the AdamW group (3e-3, not ds_muon's default 3e-4: tuned so this tiny "
+                         "model's embeddings learn within a short run)")
     ap.add_argument("--eval-samples", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")

@@ -329,6 +329,14 @@ def _fp16_worker(rank, world):
     return skipped, float(total.sqrt()), engine.optimizer.loss_scale
 
 
+def _fp16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+@pytest.mark.skipif(not _fp16_supported(), reason="DeepSpeed's accelerator here does not support fp16 (its CPU "
+                    "accelerator needs avx512_fp16); the fp16 path runs where it is supported")
 def test_fp16_overflow_skips_and_scale_is_removed():
     model = make_model()
     tokens, targets = batch(0)
@@ -387,6 +395,60 @@ def test_initialize_config_errors(tmp_path):
     model.up.weight.use_muon = True  # DeepSpeed's own tag would make ZeRO-1/2 run its Muon too
     with pytest.raises(ValueError, match="up.weight.*use_muon"):
         ds_muon_deepspeed.initialize(model=model, config=ds_config(2))
+
+
+def test_refused_settings_fail_before_deepspeed():
+    """Optimizer offload and stage-0 fp16 fail with ds_muon's message, from both front doors,
+    before DeepSpeed builds anything (DeepSpeed's own offload check would name CPUAdam)."""
+    offload = dict(ds_config(2), zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    nvme = dict(ds_config(3), zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}})
+    fp16_stage0 = dict(ds_config(0), fp16={"enabled": True})
+    fp16_default_stage = {k: v for k, v in fp16_stage0.items() if k != "zero_optimization"}
+    cases = [(offload, r'offload_optimizer.*"cpu".*not supported'), (nvme, r'"nvme".*not supported'),
+             (fp16_stage0, r'"fp16".*stage 0.*"bf16".*"stage": 1'), (fp16_default_stage, r'"fp16".*stage 0')]
+    for cfg, pattern in cases:
+        with pytest.raises(NotImplementedError, match=pattern):
+            ds_muon_deepspeed.initialize(model=make_model(), config=cfg)
+        with pytest.raises(NotImplementedError, match=pattern):
+            ds_muon_deepspeed.optimizer_from_config(make_model(), cfg)
+        direct = {k: v for k, v in cfg.items() if k != "optimizer"}
+        with pytest.raises(NotImplementedError, match=pattern):
+            ds_muon_deepspeed.initialize(model=(m := make_model()), config=direct,
+                                         optimizer=ds_muon_deepspeed.build_optimizer(m, PARAMS))
+    ds_muon_deepspeed.optimizer_from_config(make_model(), dict(ds_config(1), fp16={"enabled": True}))  # stage >= 1
+
+
+def _refused_by_bind_worker(rank, world):
+    """Engines built by plain deepspeed.initialize (as accelerate does): bind() refuses them."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_muon.integrations.deepspeed import bind
+
+    # CPU torch computes in fp16; only DeepSpeed's capability check says no on CPUs without avx512_fp16
+    get_accelerator().is_fp16_supported = lambda: True
+    fp16_stage0 = dict(ds_config(0), fp16={"enabled": True})
+    offload = dict(ds_config(2), zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                   zero_force_ds_cpu_optimizer=False)  # gets past DeepSpeed's own CPUAdam check
+    messages = []
+    for cfg in (fp16_stage0, offload):
+        model = make_model()
+        cfg = dict({k: v for k, v in cfg.items() if k != "optimizer"}, zero_allow_untested_optimizer=True)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                               optimizer=ds_muon_deepspeed.build_optimizer(model, PARAMS))
+        try:
+            bind(engine)
+            messages.append((type(engine.optimizer).__name__, None))
+        except NotImplementedError as e:
+            messages.append((type(engine.optimizer).__name__, str(e)))
+    return messages
+
+
+def test_bind_refuses_stage0_fp16_and_offload():
+    for messages in dist_harness.run(_refused_by_bind_worker, 1, timeout=240, env=ENV):
+        (wrapper0, fp16_msg), (wrapper2, offload_msg) = messages
+        assert wrapper0 == "FP16_UnfusedOptimizer" and fp16_msg and '"bf16"' in fp16_msg, messages
+        assert wrapper2 == "DeepSpeedZeroOptimizer" and offload_msg and '"cpu"' in offload_msg, messages
 
 
 SHIPPED = ["zero1.json", "zero2.json", "zero3.json", "zero1_bf16.json", "zero2_bf16.json", "zero3_bf16.json"]

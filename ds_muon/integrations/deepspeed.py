@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..layout import MatrixSlot, ParamBinding, Piece
-from ..tagging import TENSOR_PARALLEL, block_slots, is_tagged
+from ..tagging import TENSOR_PARALLEL, block_slots, is_tagged, is_transposed
 from .local import bind_replicated
 
 HOW_TO_BIND = (
@@ -42,6 +42,31 @@ HOW_TO_BIND = (
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
+
+
+FP16_STAGE0_MESSAGE = (
+    'ds_muon: "fp16": {"enabled": true} at ZeRO stage 0 is not supported: DeepSpeed 0.19.8\'s stage-0 fp16 '
+    "wrapper (FP16_UnfusedOptimizer) never scales the loss in engine.backward but still divides the gradients by "
+    "the loss scale before the optimizer step, so Muon (and AdamW) would see gradients divided by the scale (and "
+    'fp16 gradients underflow unscaled). Use "bf16": {"enabled": true}, or "zero_optimization": {"stage": 1} '
+    "(or 2, 3) with fp16")
+OFFLOAD_MESSAGE = (
+    'ds_muon: "zero_optimization": {{"offload_optimizer": {{"device": "{device}"}}}} is not supported yet: the '
+    "Muon update must run where the flat fp32 partition lives, and DeepSpeed's offload steps it on the host with "
+    'its own CPU optimizer. Remove offload_optimizer (or set its "device" to "none")')
+
+
+def check_supported_config(config: dict) -> None:
+    """Refuse DeepSpeed settings ds_muon cannot train correctly, before DeepSpeed builds anything.
+
+    The binder refuses the same settings from the built wrapper (for engines built elsewhere)."""
+    zero = config.get("zero_optimization") or {}
+    device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    if device not in ("none", "auto"):
+        raise NotImplementedError(OFFLOAD_MESSAGE.format(device=device))
+    fp16 = config.get("fp16") or {}
+    if fp16.get("enabled") is True and zero.get("stage", 0) in (0, "0"):  # DeepSpeed's default stage is 0
+        raise NotImplementedError(FP16_STAGE0_MESSAGE)
 
 
 class _DeepSpeedBinder:
@@ -61,6 +86,8 @@ class _DeepSpeedBinder:
             return "replicated", {}
         if hasattr(w, "fp32_groups") and hasattr(w, "fp16_groups") and not hasattr(w, "fp32_groups_flat"):
             # stage 0 with fp16/bf16 (FP16_UnfusedOptimizer): a full fp32 copy of every parameter
+            if getattr(w, "low_precision_dtype", None) == torch.float16:
+                raise NotImplementedError(FP16_STAGE0_MESSAGE)
             for lps, fps in zip(w.fp16_groups, w.fp32_groups):
                 for lp, fp in zip(lps, fps):
                     if lp in self.names:
@@ -82,9 +109,7 @@ class _DeepSpeedBinder:
                 "DeepSpeedZeroOptimizer_Stage3). With fp16/bf16 at stage 0, use ZeRO stage 1 or 2 instead"
             )
         if getattr(w, "cpu_offload", False) or getattr(w, "offload_optimizer", False):
-            raise NotImplementedError(
-                "ds_muon: ZeRO optimizer offload is not supported yet (the update must run where the flat fp32 "
-                "partition lives); remove offload_optimizer from zero_optimization")
+            raise NotImplementedError(OFFLOAD_MESSAGE.format(device=_offload_device(self.engine)))
         return kind, {id(t): i for i, t in enumerate(flats)}
 
     def _name(self, p: torch.Tensor, fallback: str) -> str:
@@ -117,7 +142,8 @@ class _DeepSpeedBinder:
                 continue
             m = getattr(lp, "_hp_mapping", None)
             if m is None:
-                slots.extend(block_slots(lp, key, 0, 0) if is_tagged(lp) else [MatrixSlot(key, tuple(lp.shape), None, 0)])
+                slots.extend(block_slots(lp, key, 0, 0) if is_tagged(lp)
+                             else [MatrixSlot(key, tuple(lp.shape), None, 0, transposed=is_transposed(lp))])
                 continue
             lp_addr, hp_addr = m.lp_fragment_address, m.hp_fragment_address
             if lp_addr.numel != hp_addr.numel:
@@ -129,7 +155,7 @@ class _DeepSpeedBinder:
                 slots.extend(block_slots(lp, key, lo, lo + int(lp_addr.numel), int(hp_addr.start)))
                 continue
             slots.append(MatrixSlot(key, tuple(lp.shape), Piece(int(lp_addr.start), int(lp_addr.numel)),
-                                    int(hp_addr.start)))
+                                    int(hp_addr.start), transposed=is_transposed(lp)))
         return ParamBinding(flat, _flat_view, slots, group=w.real_dp_process_group[i])
 
     def _bind_zero3(self, flat: torch.Tensor, i: int) -> ParamBinding:
@@ -155,8 +181,14 @@ class _DeepSpeedBinder:
                 _no_tp(lp, key)
                 slots.extend(block_slots(lp, key, start, start + max(length, 0), int(offset), shape))
                 continue
-            slots.append(MatrixSlot(key, shape, piece, int(offset) if piece else 0))
+            slots.append(MatrixSlot(key, shape, piece, int(offset) if piece else 0, transposed=is_transposed(lp)))
         return ParamBinding(flat, _flat_view, slots, group=group)
+
+
+def _offload_device(engine) -> str:
+    config = engine.zero_offload_optimizer() if hasattr(engine, "zero_offload_optimizer") else None
+    device = getattr(config, "device", "cpu")
+    return str(getattr(device, "value", device))
 
 
 def _no_tp(lp, key: str) -> None:

@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, Union
 import torch
 from torch import nn
 
+from ..layout import global_shape
 from ..tagging import DOMAIN, domain, expert_weight
 
 
@@ -59,7 +60,7 @@ def tag_experts(modules_or_params: Union[nn.Module, torch.Tensor, Iterable], exp
     if stacked:
         _tag_fused_stacks(modules_or_params)
     for p in params:
-        if stacked and p.ndim >= 3:
+        if stacked and len(global_shape(p)) >= 3:
             expert_weight(p, expert_dp_group)
         else:
             domain(p, expert_dp_group)

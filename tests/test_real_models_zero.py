@@ -177,12 +177,17 @@ def test_hf_models_muon_split_and_bitwise_parity(stage):
 
 # -- shapes ds_muon cannot judge ---------------------------------------------------------
 def test_empty_parameter_without_ds_shape_is_refused():
-    """A partitioned parameter whose real shape nothing records would land in AdamW unseen."""
+    """Parameters a stack partitioned away without recording their shapes would land in AdamW unseen;
+    one genuinely empty tensor (the bias of ``nn.Linear(8, 0)``) is a real shape and is fine."""
     model = tiny_llama()
-    proj = model.model.layers[0].self_attn.q_proj
-    proj.weight = nn.Parameter(torch.empty(0))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*no elements"):
+    for mod in model.modules():
+        for pname, _ in list(mod.named_parameters(recurse=False)):
+            setattr(mod, pname, nn.Parameter(torch.empty(0)))
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight.*no elements"):
         ds_muon.muon_param_groups(model)
+    empty_bias = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 0))
+    names = {n for g in ds_muon.muon_param_groups(empty_bias) if g["use_muon"] for n in g["param_names"]}
+    assert names == {"0.weight", "1.weight"}
 
 
 def test_model_without_hidden_matrices_is_refused():

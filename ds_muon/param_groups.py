@@ -108,7 +108,10 @@ def muon_param_groups(
             f"embedding, an output head ({list(head_names)}), or has fewer than 2 dimensions), so Muon would train "
             "nothing and everything would silently run AdamW. Use AdamW itself for such a model, or pass "
             "head_names= if a hidden layer is named like a head")
+    from .tagging import shape_tags
+
     groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
+               "param_tags": [shape_tags(p) for _, p in muon],  # restored if a stack swaps the tensors
                "lr": lr, "weight_decay": weight_decay, **muon_options}]
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
@@ -146,6 +149,11 @@ def check_shapes_are_known(model: nn.Module) -> None:
 SPLIT_ATTENTION = (None, "qkv", "heads")
 
 
+def stores_in_out(module: nn.Module, pname: str) -> bool:
+    """transformers' ``Conv1D`` (GPT-2) stores its weight ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and pname == "weight"
+
+
 def tag_row_blocks(model: nn.Module, split_attention: Optional[str] = None) -> None:
     """Tag the split blocks modules declare (``ds_muon_row_blocks``) and, with
     ``split_attention``, the fused ``in_proj_weight`` of ``nn.MultiheadAttention``."""
@@ -168,8 +176,8 @@ def tag_row_blocks(model: nn.Module, split_attention: Optional[str] = None) -> N
                     split_rows(p, sizes)
                 except ValueError as e:
                     raise ValueError(f"muon_param_groups: {mod_name + '.' if mod_name else ''}{pname}: {e}") from None
-        if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and len(global_shape(mod.weight)) == 2:
-            transposed(mod.weight)  # transformers' Conv1D (GPT-2) stores [in, out]
+        if stores_in_out(mod, "weight") and getattr(mod, "weight", None) is not None and len(global_shape(mod.weight)) == 2:
+            transposed(mod.weight)
         if split_attention and isinstance(mod, nn.MultiheadAttention) and mod.in_proj_weight is not None:
             e, h = mod.embed_dim, mod.num_heads
             if split_attention == "qkv":

@@ -165,6 +165,31 @@ def clear_tags(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
+# -- tags that travel with param groups ---------------------------------------------
+SHAPE_TAGS = (SPLIT_ROWS, EXPERTS, TRANSPOSED)  # which matrices a tensor holds, and how each scales
+
+
+def shape_tags(param: torch.Tensor) -> Optional[dict]:
+    """The tensor's shape tags as plain values, with its shape (None when untagged): what
+    :func:`ds_muon.muon_param_groups` records in a group as ``param_tags``."""
+    tags = {a: getattr(param, a) for a in SHAPE_TAGS if getattr(param, a, None)}
+    return {"shape": tuple(global_shape(param)), **tags} if tags else None
+
+
+def restore_tags(param: torch.Tensor, recorded: Optional[dict]) -> None:
+    """Put recorded tags back on a tensor a stack swapped in for the tagged one (FSDP2's
+    ``fully_shard`` or accelerate after the optimizer was built), so a fused expert stack is
+    not silently one matrix.  Only on an untagged tensor of the recorded shape: a flat
+    partition (DeepSpeed) or a tensor the user re-tagged is left as it is."""
+    if not recorded or any(getattr(param, a, None) for a in SHAPE_TAGS):
+        return
+    if tuple(global_shape(param)) != tuple(recorded["shape"]):
+        return
+    for a in SHAPE_TAGS:
+        if a in recorded:
+            setattr(param, a, recorded[a])
+
+
 # -- what binders use -------------------------------------------------------------
 def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None) -> List[Block]:
     """The logical matrices of a tensor of global ``shape`` (default ``param.shape``).
@@ -209,11 +234,13 @@ def block_slots(param: torch.Tensor, name: str, lo: int, hi: int, local_offset: 
     of its flat local data (pieces clipped to each block; None where it holds none of one)."""
     blocks = logical_blocks(param, name, shape)
     if hi <= lo:
-        return [MatrixSlot(k, tuple(s), None, 0) for k, s, _ in blocks]
-    slots = slots_in_range(blocks, lo, hi)
+        slots = [MatrixSlot(k, tuple(s), None, 0) for k, s, _ in blocks]
+    else:
+        slots = slots_in_range(blocks, lo, hi)
     for s in slots:
         if s.piece is not None:
             s.local_offset += local_offset
+        s.transposed = is_transposed(param)
     return slots
 
 
@@ -243,5 +270,5 @@ def tp_slots(param: torch.Tensor, name: str) -> List[MatrixSlot]:
         r0 = start // cols
         piece = Piece.block((rows, cols), 0, rows, c0, c1) if n > 0 and rows > 0 else None
         slots.append(MatrixSlot(key, tuple(bshape), piece if piece and piece.numel else None,
-                                r0 * n if piece and piece.numel else 0))
+                                r0 * n if piece and piece.numel else 0, transposed=is_transposed(param)))
     return slots

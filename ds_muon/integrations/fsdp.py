@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..layout import MatrixSlot, ParamBinding, Piece, matrix_shape
-from ..param_groups import HEAD_NAMES, is_muon_param, muon_param_groups, split_params
-from ..tagging import block_slots, is_tagged
+from ..param_groups import HEAD_NAMES, is_muon_param, muon_param_groups, split_params, stores_in_out
+from ..tagging import block_slots, is_tagged, is_transposed, transposed
 from ..experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
@@ -113,7 +113,8 @@ def bind_fsdp2(param, name: str) -> ParamBinding:
     if is_tagged(param):  # split rows / experts: blocks clipped to this rank's row range
         lo = int(offset[0]) * cols
         return ParamBinding(param, _dtensor_flat, block_slots(param, name, lo, lo + rows_local * cols), group=group)
-    return ParamBinding(param, _dtensor_flat, [MatrixSlot(name, tuple(param.shape), piece, 0)], group=group)
+    return ParamBinding(param, _dtensor_flat, [MatrixSlot(name, tuple(param.shape), piece, 0, transposed=is_transposed(param))],
+                        group=group)
 
 
 # -- FSDP1 ----------------------------------------------------------------------
@@ -206,9 +207,10 @@ def _shard_piece(flat, i: int, name: str) -> Tuple[Optional[Piece], int]:
     return Piece(int(si.intra_param_start_idx), int(si.numel_in_shard)), int(si.offset_in_shard)
 
 
-def _expert_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
+def _tag_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
     """A meta tensor tagged as :func:`ds_muon.muon_param_groups` tags original tensor ``i`` when it
-    is a fused expert stack (FSDP1 hides or flattens the parameter itself); None for any other tensor.
+    is a fused expert stack or a ``Conv1D`` weight (FSDP1 hides or flattens the parameter itself);
+    None for any other tensor.
     Raises for a 3+-D tensor it cannot describe exactly."""
     info = flat._param_infos[i]
     shape = tuple(int(s) for s in flat._shapes[i])
@@ -219,6 +221,8 @@ def _expert_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
                                   "use_orig_params=True (use_orig_params=False hides the parameter)") from None
     if plan is None:
         check_matrix_dims(key, shape, info.module)
+        if stores_in_out(info.module, info.param_name):  # GPT-2's Conv1D: the scale factor reads [out, in]
+            return transposed(torch.empty(shape, device="meta"))
         return None
     if plan.transposed:
         raise NotImplementedError(
@@ -246,7 +250,7 @@ def bind_fsdp1_flat(flat, name: str, group=None, head_names: Sequence[str] = HEA
         key = base + fqn
         piece, offset = _shard_piece(flat, i, key)
         if original_is_muon(flat, i, head_names, routers):
-            carrier = _expert_carrier(flat, i, key)
+            carrier = _tag_carrier(flat, i, key)
             if carrier is not None:  # one matrix per expert (and gate/up blocks), clipped to this shard
                 lo = 0 if piece is None else piece.offset
                 hi = lo if piece is None else lo + piece.numel
@@ -281,11 +285,12 @@ def bind_fsdp1_orig(param, name: str, flat, i: int, group=None) -> ParamBinding:
             f"{held} of it; step the optimizer only while FSDP parameters are sharded (not inside "
             "summon_full_params)"
         )
-    tagged = param if is_tagged(param) else _expert_carrier(flat, i, name)
+    tagged = param if is_tagged(param) else _tag_carrier(flat, i, name)
     if tagged is not None:  # split rows / experts: blocks clipped to this rank's range
         lo = 0 if piece is None else piece.offset
         return ParamBinding(param, _flat1, block_slots(tagged, name, lo, lo + held, 0, shape), group=group)
-    return ParamBinding(param, _flat1, [MatrixSlot(name, shape, piece, 0)], group=group)
+    return ParamBinding(param, _flat1, [MatrixSlot(name, shape, piece, 0, transposed=is_transposed(param))],
+                        group=group)
 
 
 # -- dispatch -------------------------------------------------------------------
@@ -348,13 +353,13 @@ def fsdp_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4,
             prefix = index.flat[id(p)][1] if id(p) in index.flat else ""
             for i, fqn in enumerate(p._fqns):  # raises now for a 3+-D tensor binding could not describe
                 if original_is_muon(p, i, head_names, routers):
-                    _expert_carrier(p, i, prefix + fqn)
+                    _tag_carrier(p, i, prefix + fqn)
             muon.append((name, p))
         elif id(p) in index.orig:
             flat, i, _, _ = index.orig[id(p)]
             is_muon = original_is_muon(flat, i, head_names, routers)
             if is_muon and not is_tagged(p):
-                _expert_carrier(flat, i, name)  # raises now for a 3+-D tensor it cannot describe
+                _tag_carrier(flat, i, name)  # raises now for a 3+-D tensor it cannot describe
             (muon if is_muon else adam).append((name, p))
         else:
             (muon if id(p) in rule_muon else adam).append((name, p))

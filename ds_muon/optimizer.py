@@ -320,6 +320,8 @@ class Muon(Optimizer):
                 if g["use_muon"]:
                     if "momentum_buffer" not in st:
                         st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    elif st["momentum_buffer"].stride() != p.stride():  # loaded from a differently laid-out model
+                        st["momentum_buffer"] = _relaid_like(st["momentum_buffer"], p, self._bindings.get(id(p)))
                     b = self._bindings.get(id(p))
                     if b is not None and b.adam_ranges and "exp_avg" not in st:  # mixed flat shard (FSDP1)
                         st["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -901,6 +903,19 @@ def _is_sharded_container(p: torch.Tensor) -> bool:
 def _fsdp1_view(p: torch.Tensor) -> bool:
     """An original parameter FSDP1 (use_orig_params=True) flattened into a FlatParameter."""
     return getattr(p, "_fsdp_flattened", False) and not hasattr(p, "_fqns")
+
+
+def _relaid_like(buf: torch.Tensor, p: torch.Tensor, binding: Optional[ParamBinding]) -> torch.Tensor:
+    """``buf`` copied into ``p``'s memory layout (a channels_last weight's momentum saved
+    from a contiguous model), so the binding's flat view of it is a view: the momentum
+    update is written through it and must land in the state."""
+    if buf.shape != p.shape or _local(p) is not p:
+        return buf
+    out = torch.empty_like(p, dtype=buf.dtype, memory_format=torch.preserve_format).copy_(buf)
+    if binding is not None:
+        assert binding.flat(out).data_ptr() == out.data_ptr() and binding.flat(out)._base is not None, \
+            "ds_muon: a momentum buffer laid out like its parameter must flatten to a view"
+    return out
 
 
 def _placeholder_like(p: torch.Tensor) -> torch.Tensor:

@@ -56,10 +56,18 @@ def _dtype(value, name: str) -> torch.dtype:
     raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32')")
 
 
+_DTYPE_NAMES: Dict[object, str] = {}  # accepted dtypes and names -> name (the per-step check is a dict hit)
+
+
 def _dtype_name(value, name: str) -> str:
     """The name param_groups store (``'bfloat16'``): checkpoint tools (DCP's full and
     cpu-offloaded state dicts) walk param_groups and refuse a ``torch.dtype`` value."""
-    return str(_dtype(value, name)).replace("torch.", "")
+    try:
+        return _DTYPE_NAMES[value]
+    except (KeyError, TypeError):
+        out = str(_dtype(value, name)).replace("torch.", "")
+        _DTYPE_NAMES[value] = out
+        return out
 
 
 class Muon(Optimizer):
@@ -852,6 +860,21 @@ def _check_betas(group: dict, key: str, gi: int) -> None:
         raise ValueError(f"param_groups[{gi}]: {key} must be two numbers in [0, 1), got {betas!r}")
 
 
+_GOOD_SCHEDULES: set = set()  # (coefficients, steps) seen valid; the per-step check is a set hit
+
+
+def _check_schedule(coefficients, steps) -> None:
+    try:
+        key = (coefficients, steps, type(steps))
+        if key in _GOOD_SCHEDULES:
+            return
+    except TypeError:  # a list of triples: not hashable, checked in full
+        key = None
+    resolve_coefficients(coefficients, steps)
+    if key is not None:
+        _GOOD_SCHEDULES.add(key)
+
+
 def _check_settings(group: dict, gi: int) -> None:
     """Every hyper-parameter of one group, checked before anything changes (at
     construction, at load and at the start of every ``step()``: groups are plain
@@ -869,7 +892,7 @@ def _check_settings(group: dict, gi: int) -> None:
             f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
             f"use one of {list(WEIGHT_DECAY_MODES)}")
     try:
-        resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        _check_schedule(group["ns_coefficients"], group["ns_steps"])
         check_scale_mode(group["scale_mode"])
         group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")
     except ValueError as e:

@@ -415,6 +415,21 @@ def _replicated_worker(rank, world):
     out["channels_last"] = [p.detach().clone() for p in model.parameters()]
     model, _ = empty_run(True)
     out["empty"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # a copy of an optimizer built with a process_group must be given one again (on every rank alike)
+    model = mlp()
+    group = torch.distributed.new_group([0, 1])
+    opt = build(model, process_group=group)
+    train(model, opt, steps=1)
+    dup = copy.deepcopy(opt)
+    for b in (p for g in dup.param_groups for p in g["params"]):
+        b.grad = torch.ones_like(b)
+    try:
+        dup.step()
+        out["copy_without_group"] = "stepped"
+    except RuntimeError as e:
+        out["copy_without_group"] = str(e)
+    dup.process_group = group
+    dup.step()
     return out
 
 
@@ -431,6 +446,7 @@ def test_replicated_w2_channels_last_and_empty_equal_single_process():
         assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), res["channels_last"]))
         for n, p in empty_ref.named_parameters():
             assert torch.equal(p, res["empty"][n]), n
+        assert "process groups are not copied" in res["copy_without_group"]
 
 
 def _fsdp2_worker(rank, world):
@@ -484,25 +500,12 @@ def _fsdp2_worker(rank, world):
             run(model, fresh, idx)
         now = local(model)
         out["resumed"][k] = sorted(n for n in straight if not torch.equal(straight[n], now[n]))
-    # an empty matrix under FSDP2 steps as a no-op
-    empty = WithEmpty(True)
-    for m in (empty.a, empty.b, empty.to_none, empty.from_none):
-        fully_shard(m, mesh=mesh)
-    fully_shard(empty, mesh=mesh)
-    eopt = ds_muon.Muon(ds_muon.muon_param_groups(empty, adam_lr=1e-2), ns_dtype=torch.float32)
-    train(empty, eopt, 3)
-    out["empty"] = {n: p.full_tensor().detach().clone() for n, p in empty.named_parameters()}
     return out
 
 
-def test_fsdp2_dcp_state_dicts_resume_bitwise_and_empty_matrix():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        empty_ref, _ = empty_run(True)
-    finally:
-        torch.set_num_threads(threads)
+def test_fsdp2_dcp_state_dicts_resume_bitwise():
+    """Full (accelerate's FULL_STATE_DICT), cpu-offloaded full and sharded DCP optimizer state
+    dicts: taken after 2 steps, loaded into a fresh optimizer, 2 more steps equal training on.
+    (An empty matrix under FSDP2 is not tested: FSDP2 itself cannot reduce-scatter its grad.)"""
     for res in dist_harness.run(_fsdp2_worker, 2):
         assert res["resumed"] == {"full": [], "full_cpu_offload": [], "sharded": []}
-        for n, p in empty_ref.named_parameters():
-            assert torch.equal(p, res["empty"][n]), n

@@ -202,6 +202,7 @@ class Muon(Optimizer):
         stored as a plain number as a float32 tensor."""
         for group in self.param_groups:
             _fill_group_defaults(group, self.defaults, self.adam_betas, self.adam_eps)
+            group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
@@ -844,6 +845,8 @@ def _check_lr(group: dict, key: str, gi: int) -> None:
             raise ValueError(f"param_groups[{gi}]: a tensor {key} must hold 1 real element, got shape {tuple(lr.shape)}")
         if not group["use_muon"] and group.get("foreach"):
             raise ValueError(f"param_groups[{gi}]: a tensor {key} needs foreach=False (torch's AdamW refuses it with foreach=True)")
+        if lr.device.type != "cpu":
+            return  # reading it would wait for the device every step; torch.optim does not check it either
         lr = lr.item()
     if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0.0 <= lr < math.inf):
         raise ValueError(f"param_groups[{gi}]: {key} must be a finite number >= 0, got {group[key]!r}")

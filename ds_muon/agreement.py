@@ -74,7 +74,7 @@ def settings_of(optimizer) -> Dict[str, Any]:
     out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
     for gi, g in enumerate(optimizer.param_groups):
         for k, v in g.items():
-            if k not in ("params", "param_names"):
+            if k not in ("params", "param_names", "param_tags"):
                 out[f"param_groups[{gi}][{k!r}]"] = _plain(v)
     return out
 

@@ -37,7 +37,7 @@ from .exchange import Exchange
 from .layout import Layout, ParamBinding, build_layout, global_shape
 from .newton_schulz import NS_METHODS, compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
 from .overlap import DeferredApply
-from .tagging import is_transposed
+from .tagging import restore_tags
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
 from .scaling import check_scale_mode, get_muon_scale_factor
 
@@ -48,13 +48,27 @@ NONFINITE = ("raise", "skip")
 
 
 def _dtype(value, name: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
+    """A floating-point torch dtype from a dtype or its name ('bfloat16', 'torch.float32')."""
+    d = value
     if isinstance(value, str):
         d = getattr(torch, value.replace("torch.", ""), None)
-        if isinstance(d, torch.dtype) and d.is_floating_point:
-            return d
+    if isinstance(d, torch.dtype) and d.is_floating_point and not d.is_complex:
+        return d
     raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32')")
+
+
+_DTYPE_NAMES: Dict[object, str] = {}  # accepted dtypes and names -> name (the per-step check is a dict hit)
+
+
+def _dtype_name(value, name: str) -> str:
+    """The name param_groups store (``'bfloat16'``): checkpoint tools (DCP's full and
+    cpu-offloaded state dicts) walk param_groups and refuse a ``torch.dtype`` value."""
+    try:
+        return _DTYPE_NAMES[value]
+    except (KeyError, TypeError):
+        out = str(_dtype(value, name)).replace("torch.", "")
+        _DTYPE_NAMES[value] = out
+        return out
 
 
 class Muon(Optimizer):
@@ -107,9 +121,7 @@ class Muon(Optimizer):
         self.mode = mode
         self.overlap = bool(overlap)
         self.waves = waves if overlap else 1
-        self._deferred = DeferredApply(model) if overlap and model is not None else None
-        self._dispatch = (BackwardDispatch(self._wave_inputs, self._hyper, self._land)
-                          if overlap and model is not None and dispatch_in_backward else None)
+        self.dispatch_in_backward = bool(dispatch_in_backward)
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.model = model
@@ -120,6 +132,24 @@ class Muon(Optimizer):
         self.adam_eps = adam_eps
         self.nonfinite_skips = 0
         self.binder: Optional[Callable] = None  # set by an integration that owns the layout
+        self._not_carried: Tuple[str, ...] = ()  # what a copy lost and must be given again (see __getstate__)
+        self._reset_runtime()
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+            ns_method=ns_method,
+            ns_dtype=_dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor, use_muon=True,
+        )
+        super().__init__(params, defaults)
+
+    def _reset_runtime(self) -> None:
+        """Caches and hooks, all rebuilt lazily: bindings, layouts, compiled exchanges, and
+        (``overlap=True`` with a model) the deferred-apply and backward-dispatch hooks."""
+        model = self.model
+        self._deferred = DeferredApply(model) if self.overlap and model is not None else None
+        self._dispatch = (BackwardDispatch(self._wave_inputs, self._hyper, self._land)
+                          if self.overlap and model is not None and self.dispatch_in_backward else None)
         self._bindings: Dict[int, ParamBinding] = {}
         self._binding_sig: Optional[tuple] = None
         self._layouts: List[Layout] = []
@@ -128,14 +158,71 @@ class Muon(Optimizer):
         self._agreement: Dict[tuple, tuple] = {}  # per set of tensors: rows of the agreement all_reduce
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
         self._mesh_group: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
-        defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-            ns_method=ns_method,
-            ns_dtype=_dtype(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor, use_muon=True,
-        )
-        super().__init__(params, defaults)
+
+    # -- copies, pickling and loading --------------------------------------------
+    _SETTINGS = ("mode", "overlap", "waves", "dispatch_in_backward", "nonfinite", "comm_dtype", "planner",
+                 "cost_model", "adam_betas", "adam_eps", "nonfinite_skips")
+    _NOT_CARRIED = ("model", "process_group", "binder")
+
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and pickle carry: torch's ``defaults``, ``state`` and
+        ``param_groups`` plus ds_muon's own settings (``mode``, ``planner``, ``waves``,
+        ``comm_dtype``, ``nonfinite``, ``adam_betas``, ...).
+
+        Not carried: ``model``, ``process_group`` and a stack's ``binder`` (a DeepSpeed
+        binding), nor caches and hooks (bindings, layouts, exchanges, the overlap hooks
+        on the model); caches are rebuilt at the first step.  A copy of an optimizer
+        that had a ``process_group`` or a DeepSpeed binding refuses to step until it
+        is given one again (``copy.process_group = ...``; ``ds_muon.integrations.
+        deepspeed.bind(engine)``); a copy of one built with ``model=`` steps without
+        overlap hooks (same results), and FSDP1 ``use_orig_params=True`` needs
+        ``copy.model = fsdp_model``.
+        """
+        state = super().__getstate__()
+        state["ds_muon"] = {k: getattr(self, k) for k in self._SETTINGS}
+        state["ds_muon"]["_not_carried"] = tuple(
+            k for k in self._NOT_CARRIED if getattr(self, k, None) is not None) + tuple(self._not_carried)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Pickle/deepcopy (with ds_muon's settings) and torch's ``load_state_dict``
+        (``state`` and ``param_groups`` only) both land here; either way the groups are
+        brought up to date (see :meth:`_upgrade_groups`)."""
+        settings = state.pop("ds_muon", None)
+        super().__setstate__(state)
+        if settings is not None:
+            lost = settings.pop("_not_carried")
+            self.__dict__.update(settings)
+            self.model = self.process_group = self.binder = None
+            self._not_carried = tuple(sorted(set(lost) - {"model"}))
+            self._reset_runtime()
+        self._upgrade_groups()
+
+    def _upgrade_groups(self) -> None:
+        """Fill what older ds_muon state dicts lack, as torch's optimizers do on load:
+        missing group keys from the defaults, dtypes by name, and an AdamW ``step``
+        stored as a plain number as a float32 tensor."""
+        for group in self.param_groups:
+            _fill_group_defaults(group, self.defaults, self.adam_betas, self.adam_eps)
+            group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and not torch.is_tensor(st["step"]):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+    def _check_not_carried(self) -> None:
+        """A copy (deepcopy/pickle) that lost a process group or a stack binding refuses to step."""
+        if "binder" in self._not_carried and self.binder is None:
+            from .integrations.deepspeed import HOW_TO_BIND
+
+            raise RuntimeError(
+                "ds_muon: this Muon is a copy (copy.deepcopy / pickle) of one bound to a DeepSpeed engine; "
+                "bindings are not copied and stepping it unbound would orthogonalize the wrong thing. "
+                "Bind the copy to the engine that steps it: " + HOW_TO_BIND)
+        if "process_group" in self._not_carried and self.process_group is None:
+            raise RuntimeError(
+                "ds_muon: this Muon is a copy (copy.deepcopy / pickle) of one built with a process_group; "
+                "process groups are not copied: set copy.process_group to the group it should plan in")
 
     # -- groups ----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -144,8 +231,6 @@ class Muon(Optimizer):
             param_group.setdefault("eps", self.adam_eps)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if "ns_dtype" in group:
-            group["ns_dtype"] = _dtype(group["ns_dtype"], "ns_dtype")
         _validate_group(group, len(self.param_groups) - 1)
         if hasattr(self, "_resolved"):
             self.invalidate_layouts()
@@ -176,12 +261,17 @@ class Muon(Optimizer):
             for gi, g in enumerate(self.param_groups):
                 if not g["use_muon"]:
                     continue
+                tags = g.get("param_tags")
+                tags = tags if tags and len(tags) == len(g["params"]) else [None] * len(g["params"])
                 for pi, p in enumerate(g["params"]):
+                    restore_tags(p, tags[pi])  # a stack swapped the tensor muon_param_groups tagged
                     if self.binder is None and len(global_shape(p)) < 2 and not _is_sharded_container(p):
                         raise RuntimeError(_unbound_message(self._name(gi, pi), p))
                     b = binder(self, p, self._name(gi, pi))
                     bindings[id(p)] = b
-                    by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend((b, s) for s in b.matrices)
+                    # an empty matrix (a layer with 0 outputs or inputs) has nothing to orthogonalize
+                    by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend(
+                        (b, s) for s in b.matrices if math.prod(s.matrix_shape))
             layouts = [build_layout(entries, group) for group, entries in by_group.values()]
             self._resolved[sig] = (bindings, layouts)
         self._bindings, self._layouts = self._resolved[sig]
@@ -193,6 +283,7 @@ class Muon(Optimizer):
         self._exchanges.clear()
         self._agreement.clear()
         self._final_grads = None
+        self._mesh_group = None
         self._binding_sig = None
         if getattr(self, "_deferred", None) is not None:
             self._deferred.reset_owners()
@@ -200,12 +291,23 @@ class Muon(Optimizer):
             self._dispatch.disarm()
 
     # -- the step -------------------------------------------------------------
+    @torch.compiler.disable  # eager even inside a compiled training step (see the note below)
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step.  Every group's settings are checked first, so a bad value
+        (edited into ``param_groups``, or loaded) raises before anything changes.
+
+        Under ``torch.compile`` the step runs eagerly (a graph break): it mutates
+        parameters and state through views and caches and runs collectives, which
+        dynamo would trace into a graph that silently drops the updates."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for gi, g in enumerate(self.param_groups):
+            _check_settings(g, gi)
+        if self._not_carried:
+            self._check_not_carried()
         self.flush()
         self._resolve()
         self._init_state()
@@ -233,6 +335,8 @@ class Muon(Optimizer):
                 if g["use_muon"]:
                     if "momentum_buffer" not in st:
                         st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    elif st["momentum_buffer"].stride() != p.stride():  # loaded from a differently laid-out model
+                        st["momentum_buffer"] = _relaid_like(st["momentum_buffer"], p, self._bindings.get(id(p)))
                     b = self._bindings.get(id(p))
                     if b is not None and b.adam_ranges and "exp_avg" not in st:  # mixed flat shard (FSDP1)
                         st["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -569,10 +673,10 @@ class Muon(Optimizer):
             if slot.piece is None or slot.piece.numel == 0:
                 continue
             g = group_of[id(b.param)]
-            lr = g["lr"]
+            lr = float(g["lr"])  # a tensor lr (as torch.optim allows) is read as a number here
             decay = 1 - lr * g["weight_decay"] if g["weight_decay"] and g["weight_decay_mode"] == "decoupled" else None
             rows, cols = slot.matrix_shape
-            if slot.transposed or is_transposed(b.param):  # stored [in, out]: the layer maps cols -> rows the other way
+            if slot.transposed:  # stored [in, out]: the layer maps cols -> rows the other way
                 rows, cols = cols, rows
             alpha = -lr * get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
             updates.append((i, b, slot, decay, alpha))
@@ -623,14 +727,43 @@ class Muon(Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        """torch's load, after checking that the saved groups match these (same
+        algorithm, same tensor names) and hold valid settings; older ds_muon state dicts
+        are brought up to date (see :meth:`_upgrade_groups`)."""
+        self._check_loaded_groups(state_dict["param_groups"])
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
         super().load_state_dict(state_dict)
 
+    def _check_loaded_groups(self, saved_groups) -> None:
+        """ValueError, before anything changes, when a saved group would give its tensors
+        the other algorithm or other tensors' state, or holds an invalid setting."""
+        if len(saved_groups) != len(self.param_groups):
+            return  # torch's own check names this
+        for gi, (now, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            saved = dict(saved)
+            _fill_group_defaults(saved, self.defaults, self.adam_betas, self.adam_eps)
+            if bool(saved["use_muon"]) != bool(now["use_muon"]):
+                first = (now.get("param_names") or saved.get("param_names") or ["?"])[0]
+                raise ValueError(
+                    f"ds_muon: loaded param_groups[{gi}] has use_muon={saved['use_muon']} but this optimizer's "
+                    f"group {gi} (first tensor {first}) has use_muon={now['use_muon']}: the state dict's groups are "
+                    "in another order or from other groups; build the optimizer with the groups it was saved with")
+            ours, theirs = now.get("param_names"), saved.get("param_names")
+            if ours and theirs and list(ours) != list(theirs):
+                k = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                a = ours[k] if k < len(ours) else "(none)"
+                b = theirs[k] if k < len(theirs) else "(none)"
+                raise ValueError(
+                    f"ds_muon: loaded param_groups[{gi}] names tensor {k} {b!r} but this optimizer's group names "
+                    f"{a!r}: the state would go to the wrong tensors; build the optimizer with the groups (and "
+                    "tensor order) it was saved with")
+            _check_settings(saved, gi)
+
     def _exchange_key(self, layout: Layout, todo: List[int]) -> tuple:
         """What a compiled exchange depends on: the layout, its active matrices, and the NS
         settings of every Muon group (they pick dtypes and stacks, and may change between steps)."""
-        ns = tuple((g["ns_steps"], repr(g["ns_coefficients"]), g["ns_dtype"], g["eps"], g["ns_method"])
+        ns = tuple((g["ns_steps"], repr(g["ns_coefficients"]), str(g["ns_dtype"]), g["eps"], g["ns_method"])
                    for g in self.param_groups if g["use_muon"])
         return id(layout), tuple(todo), ns
 
@@ -644,7 +777,7 @@ class Muon(Optimizer):
             b, _ = layout.local[i]
             g = group_of[id(b.param)]
             info = layout.matrices[i]
-            ns_dtype = compute_dtype(g["ns_method"], g["ns_dtype"])
+            ns_dtype = compute_dtype(g["ns_method"], _dtype(g["ns_dtype"], "ns_dtype"))  # stored by name
             mom_dtype = b.flat(b.param).dtype
             device = b.flat(b.param).device
             if self.comm_dtype is not None:
@@ -699,34 +832,24 @@ def _split_waves(idx: List[int], layout: Layout, waves: int) -> List[List[int]]:
     return out
 
 
+def _fill_group_defaults(group: dict, defaults: dict, adam_betas, adam_eps) -> None:
+    """Keys a group from an older ds_muon lacks: AdamW's ``betas``/``eps`` from the
+    optimizer's ``adam_betas``/``adam_eps``, everything else from ``defaults``."""
+    if not group.setdefault("use_muon", True):
+        group.setdefault("betas", tuple(adam_betas))
+        group.setdefault("eps", adam_eps)
+    for k, v in defaults.items():
+        group.setdefault(k, v)
+
+
 def _validate_group(group: dict, gi: int) -> None:
-    lr = group["lr"]
-    if not (isinstance(lr, (int, float)) or torch.is_tensor(lr)) or float(lr) < 0 or not math.isfinite(float(lr)):
-        raise ValueError(f"param_groups[{gi}]: lr must be a finite number >= 0, got {lr!r}")
-    if group["weight_decay"] < 0:
-        raise ValueError(f"param_groups[{gi}]: weight_decay must be >= 0, got {group['weight_decay']!r}")
+    """Every setting (:func:`_check_settings`) and the tensors of one group."""
+    _check_settings(group, gi)
     for p in group["params"]:
         if torch.is_complex(p):
             raise ValueError(f"param_groups[{gi}]: complex parameter of shape {tuple(p.shape)}; ds_muon supports real tensors only")
     if not group["use_muon"]:
-        b1, b2 = group["betas"]
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"param_groups[{gi}]: betas must lie in [0, 1), got {group['betas']!r}")
-        if group["eps"] < 0:
-            raise ValueError(f"param_groups[{gi}]: eps must be >= 0, got {group['eps']!r}")
         return
-    if not 0.0 <= group["momentum"] < 1.0:
-        raise ValueError(f"param_groups[{gi}]: momentum must lie in [0, 1), got {group['momentum']!r}")
-    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
-        raise ValueError(
-            f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
-            f"use one of {list(WEIGHT_DECAY_MODES)}")
-    resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-    if group["ns_method"] not in NS_METHODS:
-        raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
-    check_scale_mode(group["scale_mode"])
-    if group["eps"] <= 0:
-        raise ValueError(f"param_groups[{gi}]: eps (the NS normalisation floor) must be > 0, got {group['eps']!r}")
     names = group.get("param_names")
     for pi, p in enumerate(group["params"]):
         if len(global_shape(p)) < 2 and not _is_sharded_container(p):
@@ -736,6 +859,91 @@ def _validate_group(group: dict, gi: int) -> None:
                 "needs matrices (ndim >= 2). Build groups with ds_muon.muon_param_groups(model) or put "
                 "this tensor in a group with use_muon=False (AdamW)"
             )
+
+
+def _number(group: dict, key: str, gi: int, low: float = 0.0, strict: bool = False, below: Optional[float] = None):
+    """``group[key]`` as a finite real number in [low, below) (or (low, ...) if strict), else ValueError.
+    NaN fails every comparison, so it is refused like any other bad value."""
+    v = group[key]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok:
+        ok = (v > low if strict else v >= low) and (v < below if below is not None else v < math.inf)
+    if not ok:
+        span = f"{'(' if strict else '['}{low}, {below if below is not None else 'inf'})"
+        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number in {span}, got {v!r}")
+    return v
+
+
+def _check_lr(group: dict, key: str, gi: int) -> None:
+    """A learning rate: a finite number >= 0 or, as in torch.optim, a 1-element tensor."""
+    lr = group[key]
+    if torch.is_tensor(lr):
+        if lr.numel() != 1 or lr.is_complex():
+            raise ValueError(f"param_groups[{gi}]: a tensor {key} must hold 1 real element, got shape {tuple(lr.shape)}")
+        if not group["use_muon"] and group.get("foreach"):
+            raise ValueError(f"param_groups[{gi}]: a tensor {key} needs foreach=False (torch's AdamW refuses it with foreach=True)")
+        if lr.device.type != "cpu":
+            return  # reading it would wait for the device every step; torch.optim does not check it either
+        lr = lr.item()
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0.0 <= lr < math.inf):
+        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number >= 0, got {group[key]!r}")
+
+
+def _check_betas(group: dict, key: str, gi: int) -> None:
+    betas = group[key]
+    try:
+        b1, b2 = betas
+        ok = all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in (b1, b2))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"param_groups[{gi}]: {key} must be two numbers in [0, 1), got {betas!r}")
+
+
+_GOOD_SCHEDULES: set = set()  # (coefficients, steps) seen valid; the per-step check is a set hit
+
+
+def _check_schedule(coefficients, steps) -> None:
+    try:
+        key = (coefficients, steps, type(steps))
+        if key in _GOOD_SCHEDULES:
+            return
+    except TypeError:  # a list of triples: not hashable, checked in full
+        key = None
+    resolve_coefficients(coefficients, steps)
+    if key is not None:
+        _GOOD_SCHEDULES.add(key)
+
+
+def _check_settings(group: dict, gi: int) -> None:
+    """Every hyper-parameter of one group, checked before anything changes (at
+    construction, at load and at the start of every ``step()``: groups are plain
+    dicts that schedulers and users edit).  Raises ValueError naming the group and
+    the setting.  A ``torch.dtype`` ``ns_dtype`` is stored by name."""
+    _check_lr(group, "lr", gi)
+    _number(group, "weight_decay", gi)
+    if not group["use_muon"]:
+        _check_betas(group, "betas", gi)
+        _number(group, "eps", gi)
+        return
+    _number(group, "momentum", gi, below=1.0)
+    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
+        raise ValueError(
+            f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
+            f"use one of {list(WEIGHT_DECAY_MODES)}")
+    try:
+        _check_schedule(group["ns_coefficients"], group["ns_steps"])
+        check_scale_mode(group["scale_mode"])
+        group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")
+    except ValueError as e:
+        raise ValueError(f"param_groups[{gi}]: {e}") from None
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
+    _number(group, "eps", gi, strict=True)  # the NS normalisation floor
+    _number(group, "extra_scale_factor", gi)
+    for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)
+        if key in group:
+            {"adam_lr": _check_lr, "adam_betas": _check_betas}.get(key, _number)(group, key, gi)
 
 
 def _unbound_message(name: str, p: torch.Tensor) -> str:
@@ -770,6 +978,19 @@ def _is_replica(p: torch.Tensor) -> bool:
 def _fsdp1_view(p: torch.Tensor) -> bool:
     """An original parameter FSDP1 (use_orig_params=True) flattened into a FlatParameter."""
     return getattr(p, "_fsdp_flattened", False) and not hasattr(p, "_fqns")
+
+
+def _relaid_like(buf: torch.Tensor, p: torch.Tensor, binding: Optional[ParamBinding]) -> torch.Tensor:
+    """``buf`` copied into ``p``'s memory layout (a channels_last weight's momentum saved
+    from a contiguous model), so the binding's flat view of it is a view: the momentum
+    update is written through it and must land in the state."""
+    if buf.shape != p.shape or _local(p) is not p:
+        return buf
+    out = torch.empty_like(p, dtype=buf.dtype, memory_format=torch.preserve_format).copy_(buf)
+    if binding is not None:
+        assert binding.flat(out).data_ptr() == out.data_ptr() and binding.flat(out)._base is not None, \
+            "ds_muon: a momentum buffer laid out like its parameter must flatten to a view"
+    return out
 
 
 def _placeholder_like(p: torch.Tensor) -> torch.Tensor:

@@ -18,15 +18,58 @@ def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
     group = domain_of(param, group)
     if getattr(param, TENSOR_PARALLEL, None) is not None:
         return bind_tensor_parallel(param, name, group)
-    if not param.is_contiguous():
-        raise ValueError(
-            f"ds_muon: {name} (shape {tuple(param.shape)}) is not contiguous (channels_last?); "
-            "Muon updates tensors in place through a flat view: make the parameter contiguous"
-        )
+    order = memory_order(param, name)
     piece = Piece(0, param.numel())
-    slots = (block_slots(param, name, 0, param.numel()) if is_tagged(param)
-             else [MatrixSlot(name, tuple(param.shape), piece, 0)])
-    return ParamBinding(param=param, flat=lambda t: t.reshape(-1), matrices=slots, group=group)
+    if order is None:
+        slots = (block_slots(param, name, 0, param.numel()) if is_tagged(param)
+                 else [MatrixSlot(name, tuple(param.shape), piece, 0)])
+        return ParamBinding(param=param, flat=lambda t: t.reshape(-1), matrices=slots, group=group)
+    if is_tagged(param):
+        raise NotImplementedError(
+            f"ds_muon: {name} (shape {tuple(param.shape)}, strides {param.stride()}) is tagged (split rows / experts) "
+            "and not contiguous; make the parameter contiguous")
+    # the matrix in memory order: [d0, prod(other dims in memory order)], a column
+    # permutation of the logical [d0, prod(d1..)] (see memory_order)
+    shape = tuple(param.shape[d] for d in order)
+    return ParamBinding(param=param, flat=_memory_order_flat(order),
+                        matrices=[MatrixSlot(name, shape, piece, 0)], group=group)
+
+
+def memory_order(param: torch.Tensor, name: str):
+    """None for a contiguous tensor; for a dense tensor stored in another dimension order
+    with dim 0 outermost (``channels_last`` conv weights: ``[O, I, kh, kw]`` stored as
+    ``[O, kh, kw, I]``), that order.  Anything else raises ValueError.
+
+    Muon then orthogonalizes ``[O, kh*kw*I]``, a column permutation of the logical
+    ``[O, I*kh*kw]``: orthogonalization commutes with column permutations, so the update
+    equals the contiguous model's up to rounding (not bitwise).
+    """
+    if param.is_contiguous():
+        return None
+    sizes, strides = param.shape, param.stride()
+    order = sorted(range(param.ndim), key=lambda d: (-strides[d], d))
+    expected = 1
+    dense = True
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            dense = False
+        expected *= sizes[d]
+    if not dense or order[0] != 0 and sizes[0] != 1:
+        raise ValueError(
+            f"ds_muon: {name} (shape {tuple(param.shape)}, strides {strides}) is neither contiguous nor a dense "
+            "permutation with dim 0 outermost (as channels_last); Muon updates tensors in place through a flat "
+            "view: make the parameter contiguous")
+    if order[0] != 0:
+        order.remove(0)
+        order.insert(0, 0)
+    return tuple(order)
+
+
+def _memory_order_flat(order):
+    """``flat`` for a permuted binding: a view of the parameter and of tensors laid out
+    like it (momentum buffers: ``zeros_like`` keeps the layout, and the optimizer
+    re-lays loaded ones); a copy, good for reading only, of others (a contiguous grad)."""
+    return lambda t: t.permute(order).reshape(-1)
 
 
 def bind_tensor_parallel(param: torch.Tensor, name: str, group=None) -> ParamBinding:

@@ -50,12 +50,14 @@ def shapes_from_hf_config(cfg: dict) -> List[Tuple[str, Tuple[int, int]]]:
 
 
 def shapes_from_module(model) -> List[Tuple[str, Tuple[int, int]]]:
-    """The Muon matrices of a live ``nn.Module`` (by :func:`ds_muon.muon_param_groups`'s rules)."""
-    from .layout import matrix_shape
-    from .param_groups import split_params
+    """The Muon matrices of a live ``nn.Module`` (by :func:`ds_muon.muon_param_groups`'s rules: one
+    per expert of a fused stack, one per split block)."""
+    from .layout import global_shape, matrix_shape
+    from .param_groups import split_params_checked
+    from .tagging import logical_blocks
 
-    muon, _ = split_params(model)
-    return [(name, matrix_shape(p.shape)) for name, p in muon]
+    muon, _ = split_params_checked(model)
+    return [(key, matrix_shape(shape)) for name, p in muon for key, shape, _ in logical_blocks(p, name, global_shape(p))]
 
 
 def load_shapes(preset: Optional[str] = None, hf_config: Optional[str] = None,

@@ -36,7 +36,7 @@ OPTIMIZER_TYPE = "DsMuon"
 # Muon keywords that are not settings (objects ds_muon fills in from the engine), or that
 # cannot apply under DeepSpeed (its gradients are final only inside its own reduction)
 _NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward")
-_GROUP_KEYS = ("adam_lr", "adam_weight_decay")
+_GROUP_KEYS = ("adam_lr", "adam_weight_decay", "routers")
 
 
 def accepted_params():

@@ -46,6 +46,12 @@ def test_hf_config_shapes_and_module(tmp_path):
         cli.shapes_from_hf_config({"num_hidden_layers": 2})
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.Conv1d(16, 4, 3))
     assert cli.shapes_from_module(model) == [("1.weight", (16, 8)), ("2.weight", (4, 48))]
+    from hf_models import tiny_qwen2_moe
+
+    moe = dict(cli.shapes_from_module(tiny_qwen2_moe()))  # fused experts: one matrix per expert and half
+    assert moe["model.layers.0.mlp.experts.gate_up_proj[3][up]"] == (16, 32)
+    assert moe["model.layers.1.mlp.experts.down_proj[0]"] == (32, 16)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in moe and "model.layers.0.mlp.gate.weight" not in moe
     rows = cli.plan_rows(cli.shapes_from_module(model), [2], strategies=["locality", "duplicated"])
     assert [r["strategy"] for r in rows] == ["locality", "duplicated"]
     with pytest.raises(ValueError, match="preset"):

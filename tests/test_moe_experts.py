@@ -187,16 +187,26 @@ def _expert_keys(opt, param):
     return [s.key.rsplit(".", 1)[-1] for s in opt._bindings[id(param)].matrices]
 
 
-def _fsdp2(ns_dtype, world):
+def _fsdp2(ns_dtype, world, optimizer_first=False):
+    """``optimizer_first``: the groups are built on the plain model and the sharded parameters
+    swapped into them afterwards, by name (what accelerate does); fully_shard's new DTensor
+    parameters carry no tags, so the groups' recorded ``param_tags`` must bring them back."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     model = tiny_qwen2_moe()
+    if optimizer_first:
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype)
+    if optimizer_first:
+        new = dict(model.named_parameters())
+        for g in opt.param_groups:
+            g["params"] = [new[n] for n in g["param_names"]]
+    else:
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype)
     _train(model, opt)
     keys = _expert_keys(opt, model.model.layers[0].mlp.experts.gate_up_proj)
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, keys
@@ -232,6 +242,7 @@ def _worker(rank, world):
     out = {}
     for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         out["fsdp2_" + label] = _fsdp2(dtype, world)
+    out["fsdp2_first_fp32"] = _fsdp2(torch.float32, world, optimizer_first=True)
     out["fsdp1_flat"] = _fsdp1(False, torch.float32)
     out["fsdp1_orig"] = _fsdp1(True, torch.float32)
     out["error_flat"] = _fsdp1_error(False)
@@ -245,10 +256,10 @@ def test_sharded_moe_equals_single_process_w2():
     results = dist_harness.run(_worker, 2, timeout=240)
     per_expert = [f"gate_up_proj[{e}][{h}]" for e in range(4) for h in ("gate", "up")]
     for out in results:
-        for label in ("fp32", "bf16"):
+        for label in ("fp32", "bf16", "first_fp32"):
             params, keys = out["fsdp2_" + label]
             assert keys == per_expert, keys  # every rank lists every block, held or not
-            for n, ref in refs[label].items():
+            for n, ref in refs[label.replace("first_", "")].items():
                 assert torch.equal(params[n], ref), ("fsdp2", label, n)
         for mode in ("fsdp1_flat", "fsdp1_orig"):
             params, keys = out[mode]

@@ -85,37 +85,60 @@ def _single(family, ns_dtype):
         torch.set_num_threads(threads)
 
 
-def _fsdp2_worker(rank, world, cases):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def _wrap(model, stack, world, ns_dtype):
+    """(wrapped model, Muon, full parameters()) under FSDP2 (each decoder layer and the root) or FSDP1
+    (one flat parameter per decoder layer, ``use_orig_params=False``: original tensors hidden)."""
+    if stack == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
-    out = {}
-    for family, ns_dtype in cases:
-        model = FAMILIES[family]()
+        mesh = init_device_mesh("cpu", (world,))
         for layer in _layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **GROUPS), ns_dtype=ns_dtype)
+        return model, opt, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(_layers(model)[0])}))
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, **GROUPS), model=fsdp, ns_dtype=ns_dtype)
+
+    def full():
+        with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT):
+            return {n: t.detach().clone() for n, t in fsdp.state_dict().items()}
+    return fsdp, opt, full
+
+
+def _fsdp_worker(rank, world, cases):
+    out = {}
+    for family, ns_dtype, stack in cases:
+        model, opt, full = _wrap(FAMILIES[family](), stack, world, ns_dtype)
         for idx in hf_batches(STEPS):  # the same batch on every rank: the average is exact
             hf_loss(model, idx).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out[family, ns_dtype] = ({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
-                                 muon_names(opt.param_groups))
+        scales = sorted({round(ds_muon.get_muon_scale_factor(*((c, r) if s.transposed else (r, c))), 6)
+                         for b in opt._bindings.values() for s in b.matrices for r, c in [s.matrix_shape]})
+        out[family, ns_dtype, stack] = full(), scales
     return out
 
 
-def test_fsdp2_equals_single_process():
-    cases = [(f, d) for f in DENSE for d in (torch.float32, torch.bfloat16)]
-    results = dist_harness.run(_fsdp2_worker, 2, cases, timeout=240)
-    for case in cases:
-        want, want_muon = _single(*case)
+def test_fsdp_equals_single_process():
+    """FSDP2 (fp32 and bf16 NS) and FSDP1 flat parameters, W=2, equal one process; GPT-2's Conv1D
+    weights keep their [out, in] scale factors although FSDP1 hides the tagged tensors."""
+    cases = [(f, d, "fsdp2") for f in DENSE for d in (torch.float32, torch.bfloat16)]
+    cases += [(f, torch.float32, "fsdp1") for f in DENSE]
+    results = dist_harness.run(_fsdp_worker, 2, cases, timeout=300)
+    for family, ns_dtype, stack in cases:
+        want, want_muon = _single(family, ns_dtype)
+        assert want_muon == expected_muon(family, FAMILIES[family]())
         for out in results:
-            got, got_muon = out[case]
-            assert got_muon == want_muon == expected_muon(case[0], FAMILIES[case[0]]())
+            got, scales = out[family, ns_dtype, stack]
+            if family == "gpt2":  # c_attn 32 -> 96, c_fc 32 -> 128, the projections back
+                assert scales == [1.0, round(3 ** 0.5, 6), 2.0], scales
             for n, t in want.items():
-                assert torch.equal(got[n], t), (case, n)
+                assert torch.equal(got[n], t), (family, ns_dtype, stack, n)
 
 
 # -- transformers.Trainer, DDP over 2 ranks --------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import MatrixSlot, ParamBinding, Piece
-from ..tagging import TENSOR_PARALLEL, block_slots, domain_of, is_tagged, tp_slots
+from ..tagging import TENSOR_PARALLEL, block_slots, domain_of, is_tagged, is_transposed, tp_slots
 
 
 def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
@@ -22,7 +22,7 @@ def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
     piece = Piece(0, param.numel())
     if order is None:
         slots = (block_slots(param, name, 0, param.numel()) if is_tagged(param)
-                 else [MatrixSlot(name, tuple(param.shape), piece, 0)])
+                 else [MatrixSlot(name, tuple(param.shape), piece, 0, transposed=is_transposed(param))])
         return ParamBinding(param=param, flat=lambda t: t.reshape(-1), matrices=slots, group=group)
     if is_tagged(param):
         raise NotImplementedError(
@@ -32,7 +32,7 @@ def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
     # permutation of the logical [d0, prod(d1..)] (see memory_order)
     shape = tuple(param.shape[d] for d in order)
     return ParamBinding(param=param, flat=_memory_order_flat(order),
-                        matrices=[MatrixSlot(name, shape, piece, 0)], group=group)
+                        matrices=[MatrixSlot(name, shape, piece, 0, transposed=is_transposed(param))], group=group)
 
 
 def memory_order(param: torch.Tensor, name: str):

@@ -1,0 +1,85 @@
+"""The package's internal import graph and its cycles: ``python tools/import_graph.py``.
+
+Reads ``ds_muon/`` with :mod:`ast` (nothing is imported), counts imports made at module
+level and inside functions alike (a lazy import that closes a cycle is still a cycle),
+and prints one line per module with what it imports, then every cycle found, then the
+line count of each module.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from typing import Dict, List, Set
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ds_muon")
+
+
+def modules() -> Dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+def imports_of(name: str, path: str, known: Set[str]) -> Set[str]:
+    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                found.add(full if full in known else target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    out, seen = [], set()
+
+    def visit(node, stack):
+        for nxt in sorted(graph[node]):
+            if nxt in stack:
+                cyc = stack[stack.index(nxt):]
+                key = frozenset(cyc)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(cyc + [nxt])
+            elif len(stack) < 12:
+                visit(nxt, stack + [nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    return out
+
+
+def main() -> int:
+    mods = modules()
+    known = set(mods)
+    graph = {m: imports_of(m, p, known) for m, p in sorted(mods.items())}
+    for m, deps in graph.items():
+        print(f"{m} -> {', '.join(sorted(deps)) or '-'}")
+    found = cycles({m: {d for d in deps if d != "ds_muon"} for m, deps in graph.items()})
+    print(f"\ncycles: {len(found)}")
+    for c in found:
+        print("  " + " -> ".join(c))
+    print("\nlines:")
+    for m, p in sorted(mods.items(), key=lambda kv: -sum(1 for _ in open(kv[1]))):
+        print(f"  {sum(1 for _ in open(p)):5d}  {m}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,7 +23,7 @@ from common import header, table
 
 import dist_harness
 import ds_muon
-from ds_muon import report
+from ds_muon import costs
 from ds_muon.layout import ParamBinding, slots_in_range
 from ds_muon.newton_schulz import ns_flops
 from ds_muon.planner import CostModel
@@ -98,11 +98,11 @@ def _timed(fn):
 def modelled_ms(layout, mode, ns_dtype, cm):
     shapes = SHAPES
     elem = torch.empty((), dtype=ns_dtype).element_size()
-    tasks = report.tasks_for(shapes, 2, layout, 5, elem)
+    tasks = costs.tasks_for(shapes, 2, layout, 5, elem)
     if mode == "single":
         return sum(t.flops for t in tasks) / cm.flops_per_s * 1e3
-    cost = report.duplicated_cost(tasks, 2) if mode == "duplicated" else report.sharded_cost(tasks, 2, "locality", cm)
-    return max(cost.step_seconds(cm)) * 1e3
+    cost = costs.duplicated_cost(tasks, 2, cm) if mode == "duplicated" else costs.sharded_cost(tasks, 2, "locality", cm)
+    return max(cost.seconds) * 1e3
 
 
 def main():

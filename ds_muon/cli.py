@@ -6,7 +6,7 @@
 
 No GPUs, no processes: the same :func:`ds_muon.planner.plan_homes` the optimizer
 calls, fed with shapes and with what each rank would hold, next to the baselines
-of :mod:`ds_muon.report`.  From Python, :func:`shapes_from_module` reads a live
+of :mod:`ds_muon.costs`.  From Python, :func:`shapes_from_module` reads a live
 model and :func:`plan_rows` returns the table.
 """
 
@@ -18,11 +18,11 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from . import report
+from . import costs
 from .planner import CostModel
 
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
-ALL_STRATEGIES = report.SHARDED + report.BASELINES + ("locality+dup",)
+ALL_STRATEGIES = costs.STRATEGIES
 
 
 def shapes_from_hf_config(cfg: dict) -> List[Tuple[str, Tuple[int, int]]]:
@@ -86,8 +86,8 @@ def plan_rows(shapes: Sequence[Tuple[str, Tuple[int, int]]], world_sizes: Sequen
     cm = cost_model or CostModel()
     rows = []
     for world in world_sizes:
-        tasks = report.tasks_for([s for _, s in shapes], world, layout, ns_steps, elem_bytes)
-        rows.extend(report.compare(tasks, world, cm, strategies))
+        tasks = costs.tasks_for([s for _, s in shapes], world, layout, ns_steps, elem_bytes)
+        rows.extend(costs.compare(tasks, world, cm, strategies))
     return rows
 
 

@@ -34,6 +34,10 @@ class CostModel:
     flops_per_s: float = 400e12
     bytes_per_s: float = 50e9
 
+    def seconds(self, flops: float, bytes_moved: float) -> float:
+        """One rank's modelled step: its NS FLOPs plus every byte it sends or receives."""
+        return flops / self.flops_per_s + bytes_moved / self.bytes_per_s
+
 
 @dataclass(frozen=True)
 class MatrixTask:
@@ -83,66 +87,44 @@ class Plan:
                 recv[r] += rc * t.elem_bytes
         return sent, recv
 
-    @property
-    def bytes_sent(self) -> List[int]:
-        return self.traffic()[0]
-
-    @property
-    def bytes_received(self) -> List[int]:
-        return self.traffic()[1]
-
-    @property
-    def imbalance(self) -> float:
-        """max / mean of per-rank NS cost (1.0 is perfect)."""
-        cost = self.ns_cost
-        mean = sum(cost) / len(cost)
-        return max(cost) / mean if mean > 0 else 1.0
-
-    @property
-    def lower_bound(self) -> float:
-        """No plan's busiest rank does less NS work than this."""
-        cost = self.ns_cost
-        largest = max((t.flops for t in self.tasks), default=0.0)
-        return max(sum(cost) / len(cost), largest)
-
-    @property
-    def imbalance_vs_bound(self) -> float:
-        """max / lower bound of per-rank NS cost."""
-        lb = self.lower_bound
-        return max(self.ns_cost) / lb if lb > 0 else 1.0
-
     def step_time(self) -> List[float]:
         """Modelled seconds per rank: NS plus both exchanges."""
         sent, recv = self.traffic()
-        cm = self.cost_model
-        return [
-            c / cm.flops_per_s + (s + r) / cm.bytes_per_s for c, s, r in zip(self.ns_cost, sent, recv)
-        ]
+        return [self.cost_model.seconds(c, s + r) for c, s, r in zip(self.ns_cost, sent, recv)]
 
-    def groups_at(self, rank: int, key=None) -> Dict[tuple, List[int]]:
-        """Same-shape groups at a home: {(rows, cols[, key]): [matrix indices]} in order."""
-        out: Dict[tuple, List[int]] = defaultdict(list)
-        for i, (t, h) in enumerate(zip(self.tasks, self.homes)):
-            if h == rank:
-                k = (t.rows, t.cols) if key is None else (t.rows, t.cols, key(i))
-                out[k].append(i)
-        return dict(out)
+
+def gather_traffic(t: MatrixTask, receivers: Sequence[int]) -> Dict[int, List[float]]:
+    """Elements each rank sends and receives when every rank of ``receivers`` collects ``t`` whole.
+
+    A receiver gets what it lacks, ``numel - held[r]``, from the other holders in
+    proportion to what they hold (replicas share the sending); it sends nothing to itself.
+    Ranks that neither send nor receive are left out.
+    """
+    holders = [(r, n) for r, n in enumerate(t.held) if n > 0]
+    held = sum(n for _, n in holders)
+    out: Dict[int, List[float]] = {}
+    for home in receivers:
+        mine = t.held[home] if home < len(t.held) else 0
+        missing = t.numel - mine
+        if not missing:
+            continue
+        frac = missing / (held - mine) if held - mine else 0.0
+        out.setdefault(home, [0.0, 0.0])[1] += missing
+        for r, n in holders:
+            if r != home:
+                out.setdefault(r, [0.0, 0.0])[0] += n * frac
+    return out
 
 
 def task_traffic(t: MatrixTask, home: int) -> Dict[int, Tuple[float, float]]:
-    """Elements each rank sends and receives for one matrix homed at ``home``.
-
-    Gather: the home receives what it lacks, ``numel - held[home]``, spread over the
-    other holders (replicas share the sending).  Scatter: every other holder gets
-    its piece back from the home.
-    """
+    """Elements each rank sends and receives for one matrix homed at ``home``: the
+    gather (:func:`gather_traffic` to the home), then the scatter, where every other
+    holder gets its piece back from the home."""
+    gathered = gather_traffic(t, [home])
     others = [(r, n) for r, n in enumerate(t.held) if n > 0 and r != home]
-    held_elsewhere = sum(n for _, n in others)
-    missing = t.numel - (t.held[home] if home < len(t.held) else 0)
-    frac = missing / held_elsewhere if held_elsewhere else 0.0
-    out = {home: (float(held_elsewhere), float(missing))}
+    out = {home: (float(sum(n for _, n in others)), gathered.get(home, (0.0, 0.0))[1])}
     for r, n in others:
-        out[r] = (n * frac, float(n))
+        out[r] = (gathered.get(r, (0.0, 0.0))[0], float(n))
     return out
 
 
@@ -196,9 +178,8 @@ def _plan_locality(tasks: List[MatrixTask], world: int, cm: CostModel) -> List[i
 
     def costs(i: int, h: int) -> Dict[int, float]:
         t = tasks[i]
-        per = {r: (sn + rc) * t.elem_bytes / cm.bytes_per_s for r, (sn, rc) in task_traffic(t, h).items()}
-        per[h] = per.get(h, 0.0) + t.flops / cm.flops_per_s
-        return per
+        return {r: cm.seconds(t.flops if r == h else 0.0, (sn + rc) * t.elem_bytes)
+                for r, (sn, rc) in task_traffic(t, h).items()}
 
     for i in _lpt_order(tasks):
         t = tasks[i]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from ds_muon import cli, report
-from ds_muon.planner import CostModel, MatrixTask
+from ds_muon import cli, costs
+from ds_muon.planner import CostModel, MatrixTask, plan_homes
 
 
 def test_plan_preset_json_all_strategies(capsys):
@@ -61,14 +61,39 @@ def test_hf_config_shapes_and_module(tmp_path):
 def test_baseline_costs_by_hand():
     # one 4x4 matrix split in halves over 2 ranks, bf16 on the wire
     t = MatrixTask(4, 4, 5, 2, (8, 8))
-    dup = report.duplicated_cost([t], 2)
+    dup = costs.duplicated_cost([t], 2, CostModel())
     assert dup.bytes_received == [16.0, 16.0] and dup.bytes_sent == [16.0, 16.0] and dup.ns_flops[0] == t.flops
-    owner = report.deepspeed_owner_cost([t], 2)
+    owner = costs.deepspeed_owner_cost([t], 2, CostModel())
     assert owner.ns_flops == [t.flops, t.flops] and owner.collectives == 1
-    sharded = report.sharded_cost([t], 2, "locality", CostModel())
+    sharded = costs.sharded_cost([t], 2, "locality", CostModel())
     assert sum(sharded.ns_flops) == t.flops and sum(sharded.bytes_sent) == 32  # 8 elements in, 8 back
     # replicated over many ranks: extra homes split the broadcast of results
     tasks = [MatrixTask(64, 64, 5, 2, (4096,) * 16) for _ in range(2)]
-    single = report.sharded_cost(tasks, 16, "locality", CostModel())
-    dup_homes = report.duplicate_surplus_cost(tasks, 16, CostModel())
+    single = costs.sharded_cost(tasks, 16, "locality", CostModel())
+    dup_homes = costs.duplicate_surplus_cost(tasks, 16, CostModel())
     assert max(dup_homes.bytes_sent) < max(single.bytes_sent)
+
+
+def test_sharded_rows_are_the_planners_numbers():
+    tasks = costs.tasks_for([(768, 768), (3072, 768), (768, 3072)] * 3, 4, "partitioned")
+    cm = CostModel(1e12, 1e9)
+    plan = plan_homes(tasks, 4, "lpt", cm)
+    cost = costs.sharded_cost(tasks, 4, "lpt", cm)
+    assert (cost.ns_flops, (cost.bytes_sent, cost.bytes_received), cost.seconds) == \
+        (plan.ns_cost, plan.traffic(), plan.step_time())
+    # every strategy turns FLOPs and bytes into seconds with the planner's one formula
+    for c in (costs.duplicated_cost(tasks, 4, cm), costs.deepspeed_owner_cost(tasks, 4, cm),
+              costs.duplicate_surplus_cost(tasks, 4, cm)):
+        assert c.seconds == [cm.seconds(f, s + r) for f, s, r in zip(c.ns_flops, c.bytes_sent, c.bytes_received)]
+
+
+def test_extra_homes_count_the_gather_like_the_planner():
+    # no idle rank to add as a home: locality+dup is the locality plan, byte for byte. (It used to
+    # count the home sending part of its own missing piece to itself: sent [14, 2] instead of [8, 8].)
+    tasks = [MatrixTask(4, 4, 5, 2, (12, 4)), MatrixTask(4, 4, 5, 2, (0, 16))]
+    single = costs.sharded_cost(tasks, 2, "locality", CostModel())
+    dup_homes = costs.duplicate_surplus_cost(tasks, 2, CostModel())
+    assert plan_homes(tasks, 2).homes == [0, 1]
+    assert single.bytes_sent == [8, 8] and single.bytes_received == [8, 8]  # 4 elements in, 4 back
+    assert (dup_homes.bytes_sent, dup_homes.bytes_received, dup_homes.seconds) == \
+        (single.bytes_sent, single.bytes_received, single.seconds)

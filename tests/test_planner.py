@@ -5,8 +5,9 @@ import random
 
 import pytest
 
+from ds_muon.costs import ns_lower_bound
 from ds_muon.newton_schulz import ns_flops
-from ds_muon.planner import CostModel, MatrixTask, plan_homes
+from ds_muon.planner import CostModel, MatrixTask, gather_traffic, plan_homes, task_traffic
 
 
 def gpt_shapes(layers=12, d=768):
@@ -38,6 +39,11 @@ def makespan(tasks, homes, world):
     for t, h in zip(tasks, homes):
         load[h] += t.flops
     return max(load)
+
+
+def imbalance(plan):
+    """max / mean of per-rank NS cost (1.0 is perfect)."""
+    return max(plan.ns_cost) / (sum(plan.ns_cost) / plan.world_size)
 
 
 def optimal_makespan(tasks, world):
@@ -89,8 +95,8 @@ def test_lpt_beats_round_robin_on_transformer_shapes(world):
     tasks = replicated(gpt_shapes(12), world)
     lpt = plan_homes(tasks, world, "lpt")
     rr = plan_homes(tasks, world, "round_robin")
-    assert lpt.imbalance < rr.imbalance
-    assert lpt.imbalance_vs_bound <= 4 / 3
+    assert imbalance(lpt) < imbalance(rr)
+    assert max(lpt.ns_cost) / ns_lower_bound(tasks, world) <= 4 / 3
 
 
 def test_plan_metrics():
@@ -99,12 +105,13 @@ def test_plan_metrics():
     assert sorted(plan.homes) == [0, 1]
     cost = plan.ns_cost
     assert sum(cost) == tasks[0].flops + tasks[1].flops
-    assert plan.lower_bound == max(sum(cost) / 2, tasks[0].flops, tasks[1].flops)
-    assert plan.imbalance == max(cost) / (sum(cost) / 2)
+    assert ns_lower_bound(tasks, 2) == max(sum(cost) / 2, tasks[0].flops, tasks[1].flops)
+    assert imbalance(plan) == max(cost) / (sum(cost) / 2)
     sent, recv = plan.traffic()
     assert sum(sent) == sum(recv)
-    groups = plan.groups_at(plan.homes[0])
-    assert list(groups.values()) == [[0]]
+    assert [i for i, h in enumerate(plan.homes) if h == plan.homes[0]] == [0]  # one matrix per home
+    cm = plan.cost_model
+    assert plan.step_time() == [c / cm.flops_per_s + (s + r) / cm.bytes_per_s for c, s, r in zip(cost, sent, recv)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -112,7 +119,7 @@ def test_locality_moves_fewer_bytes_at_no_worse_step_time(world):
     tasks = partitioned(gpt_shapes(12), world)
     loc = plan_homes(tasks, world, "locality")
     lpt = plan_homes(tasks, world, "lpt")
-    assert sum(loc.bytes_sent) < 0.5 * sum(lpt.bytes_sent)
+    assert sum(loc.traffic()[0]) < 0.5 * sum(lpt.traffic()[0])
     assert max(loc.step_time()) <= max(lpt.step_time()) * 1.0001
     # a matrix delivered whole stays at the rank that has it
     whole = [i for i, t in enumerate(tasks) if max(t.held) == t.numel]
@@ -137,3 +144,16 @@ def test_fewer_matrices_than_ranks_and_bad_input():
         plan_homes([], 2, "magic")
     with pytest.raises(ValueError, match="world_size"):
         plan_homes([], 0)
+
+
+def test_traffic_by_hand():
+    # 4x4 matrix: rank 0 holds 8 elements, ranks 1 and 2 hold the other 8 twice over (replicas)
+    t = MatrixTask(4, 4, held=(8, 8, 8, 0))
+    # homed at 0: it receives its missing 8 from the replicas, 4 each, then sends each its 8 back
+    assert task_traffic(t, 0) == {0: (16.0, 8.0), 1: (4.0, 8.0), 2: (4.0, 8.0)}
+    # homed at 3, which holds nothing: 16 in (split over three holders by what they hold), 24 out
+    assert task_traffic(t, 3) == {3: (24.0, 16.0), 0: (16 / 3, 8.0), 1: (16 / 3, 8.0), 2: (16 / 3, 8.0)}
+    # every rank collects it whole: nobody sends to itself, and what is sent is what is received
+    every = gather_traffic(t, range(4))
+    assert every == {0: [16 / 3 + 4.0 + 4.0, 8], 1: [16 / 3 + 4.0 + 4.0, 8], 2: [16 / 3 + 4.0 + 4.0, 8], 3: [0.0, 16]}
+    assert gather_traffic(MatrixTask(2, 2, held=(4, 4)), [0, 1]) == {}  # replicated: nothing to gather

@@ -1,4 +1,4 @@
-"""What each way of placing Newton–Schulz costs a step, per rank: the numbers behind ``ds-muon plan``.
+"""What each way of placing Newton–Schulz costs a step, per rank: the table of ``ds-muon plan``.
 
 Strategies compared on the same shapes and holdings:
 
@@ -13,8 +13,10 @@ Strategies compared on the same shapes and holdings:
   homes of the matrices whose home sends the most, each home then scattering to
   a share of the holders (duplicate NS, split scatter).
 
-Seconds come from a :class:`~ds_muon.planner.CostModel`: NS FLOPs over
-``flops_per_s`` plus bytes sent and received over ``bytes_per_s``.
+Every number is the planner's own: the sharded rows read the :class:`~ds_muon.planner.Plan`
+the optimizer would use (its NS cost, traffic and modelled step time), the baselines
+count gathers with :func:`~ds_muon.planner.gather_traffic` and turn FLOPs and bytes
+into seconds with the same :meth:`CostModel.seconds <ds_muon.planner.CostModel.seconds>`.
 """
 
 from __future__ import annotations
@@ -23,32 +25,32 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from .planner import CostModel, MatrixTask, plan_homes
+from .planner import CostModel, MatrixTask, gather_traffic, plan_homes
 
 SHARDED = ("locality", "lpt", "round_robin")
 BASELINES = ("duplicated", "deepspeed_owner")
+STRATEGIES = SHARDED + BASELINES + ("locality+dup",)
 
 
 @dataclass
 class StrategyCost:
+    """One strategy's step, per rank: NS FLOPs, bytes each way, modelled seconds."""
+
     strategy: str
-    world_size: int
     ns_flops: List[float]
     bytes_sent: List[float]
     bytes_received: List[float]
+    seconds: List[float]
     collectives: int
     max_matrices_per_rank: int
 
-    def step_seconds(self, cm: CostModel) -> List[float]:
-        return [f / cm.flops_per_s + (s + r) / cm.bytes_per_s
-                for f, s, r in zip(self.ns_flops, self.bytes_sent, self.bytes_received)]
-
-    def row(self, cm: CostModel, tasks: Sequence[MatrixTask]) -> Dict[str, object]:
-        mean = sum(self.ns_flops) / self.world_size
-        bound = max(sum(t.flops for t in tasks) / self.world_size, max((t.flops for t in tasks), default=0.0))
+    def row(self, tasks: Sequence[MatrixTask]) -> Dict[str, object]:
+        world = len(self.ns_flops)
+        mean = sum(self.ns_flops) / world
+        bound = ns_lower_bound(tasks, world)
         peak = max(self.ns_flops)
         return {
-            "world_size": self.world_size,
+            "world_size": world,
             "strategy": self.strategy,
             "matrices": len(tasks),
             "waves": self.max_matrices_per_rank,
@@ -58,37 +60,44 @@ class StrategyCost:
             "max_bytes_received": int(max(self.bytes_received)),
             "total_bytes_moved": int(sum(self.bytes_sent)),
             "collectives_per_step": self.collectives,
-            "modelled_step_ms": round(max(self.step_seconds(cm)) * 1e3, 4),
+            "modelled_step_ms": round(max(self.seconds) * 1e3, 4),
         }
+
+
+def ns_lower_bound(tasks: Sequence[MatrixTask], world: int) -> float:
+    """No placement's busiest rank does less NS work than this: an equal share, or the largest matrix."""
+    return max(sum(t.flops for t in tasks) / world, max((t.flops for t in tasks), default=0.0))
 
 
 def sharded_cost(tasks: Sequence[MatrixTask], world: int, strategy: str, cm: CostModel) -> StrategyCost:
     plan = plan_homes(tasks, world, strategy, cm)
     sent, recv = plan.traffic()
     per_home = [plan.homes.count(r) for r in range(world)]
-    return StrategyCost(strategy, world, plan.ns_cost, sent, recv, 2, max(per_home))
+    return StrategyCost(strategy, plan.ns_cost, sent, recv, plan.step_time(), 2, max(per_home))
+
+
+def _modelled(strategy: str, ns: List[float], sent: List[float], recv: List[float], collectives: int,
+              count: List[int], cm: CostModel) -> StrategyCost:
+    seconds = [cm.seconds(f, s + r) for f, s, r in zip(ns, sent, recv)]
+    return StrategyCost(strategy, ns, sent, recv, seconds, collectives, max(count))
 
 
 def _gather(t: MatrixTask, receivers: Sequence[int], sent: List[float], recv: List[float]) -> None:
-    """Every receiver gets what it lacks of ``t``; holders send in proportion to what they hold."""
-    need = sum(t.numel - t.held[r] for r in receivers)
-    held = sum(t.held)
-    for r in receivers:
-        recv[r] += (t.numel - t.held[r]) * t.elem_bytes
-    for r, n in enumerate(t.held):
-        if n:
-            sent[r] += need * n / held * t.elem_bytes
+    """Add the bytes of every receiver collecting ``t`` whole (:func:`~ds_muon.planner.gather_traffic`)."""
+    for r, (s, rc) in gather_traffic(t, receivers).items():
+        sent[r] += s * t.elem_bytes
+        recv[r] += rc * t.elem_bytes
 
 
-def duplicated_cost(tasks: Sequence[MatrixTask], world: int) -> StrategyCost:
+def duplicated_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
     sent, recv = [0.0] * world, [0.0] * world
     for t in tasks:
         _gather(t, range(world), sent, recv)
     total = sum(t.flops for t in tasks)
-    return StrategyCost("duplicated", world, [total] * world, sent, recv, len(tasks), len(tasks))
+    return _modelled("duplicated", [total] * world, sent, recv, len(tasks), [len(tasks)], cm)
 
 
-def deepspeed_owner_cost(tasks: Sequence[MatrixTask], world: int) -> StrategyCost:
+def deepspeed_owner_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
     ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
     gathers = 0
     for t in tasks:
@@ -99,7 +108,7 @@ def deepspeed_owner_cost(tasks: Sequence[MatrixTask], world: int) -> StrategyCos
         for r in holders:
             ns[r] += t.flops
             count[r] += 1
-    return StrategyCost("deepspeed_owner", world, ns, sent, recv, gathers, max(count))
+    return _modelled("deepspeed_owner", ns, sent, recv, gathers, count, cm)
 
 
 def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
@@ -133,24 +142,24 @@ def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostMode
         for k, r in enumerate(others):  # scatter: holders split among homes
             sent[hs[k % len(hs)]] += t.held[r] * t.elem_bytes
             recv[r] += t.held[r] * t.elem_bytes
-    return StrategyCost("locality+dup", world, ns, sent, recv, 2, max(count))
+    return _modelled("locality+dup", ns, sent, recv, 2, count, cm)
 
 
 def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
-            strategies: Sequence[str] = SHARDED + BASELINES + ("locality+dup",)) -> List[Dict[str, object]]:
+            strategies: Sequence[str] = STRATEGIES) -> List[Dict[str, object]]:
     rows = []
     for s in strategies:
         if s in SHARDED:
             cost = sharded_cost(tasks, world, s, cm)
         elif s == "duplicated":
-            cost = duplicated_cost(tasks, world)
+            cost = duplicated_cost(tasks, world, cm)
         elif s == "deepspeed_owner":
-            cost = deepspeed_owner_cost(tasks, world)
+            cost = deepspeed_owner_cost(tasks, world, cm)
         elif s == "locality+dup":
             cost = duplicate_surplus_cost(tasks, world, cm)
         else:
             raise ValueError(f"unknown strategy {s!r}")
-        rows.append(cost.row(cm, tasks))
+        rows.append(cost.row(tasks))
     return rows
 
 

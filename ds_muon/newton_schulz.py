@@ -180,7 +180,12 @@ def _standard_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
     return X
 
 
-def _gram_iteration(X: torch.Tensor, per_step, restart_every: int = 0) -> torch.Tensor:
+def _restart_interval(dtype: torch.dtype, steps: int) -> int:
+    """Steps between Gram restarts: two in 16-bit dtypes (where Q drifts), none in fp32."""
+    return 2 if dtype.itemsize <= 2 else steps
+
+
+def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
     """The same polynomial, carried on m×m matrices: X_k = Q_k X_0 with R_k = X_k X_kᵀ.
 
     Each step Z = aI + bR + cR² (a polynomial in R, so all of them commute),
@@ -190,8 +195,7 @@ def _gram_iteration(X: torch.Tensor, per_step, restart_every: int = 0) -> torch.
     Newton–Schulz does); with Polar Express's large early coefficients that
     halves the error.  fp32 runs straight through.
     """
-    if restart_every <= 0:
-        restart_every = 2 if X.element_size() <= 2 else len(per_step)
+    restart_every = _restart_interval(X.dtype, len(per_step))
     b_, m, _ = X.shape
     eye = torch.eye(m, dtype=X.dtype, device=X.device).expand(b_, m, m)
     R = torch.bmm(X, X.mT)

@@ -242,28 +242,3 @@ def test_nonfinite_on_one_rank_raises_on_all():
     for msg, untouched in dist_harness.run(_nan_worker, 2):
         assert msg and "param_groups[0]['params'][5]" in msg
         assert untouched
-
-
-def test_exchange_moves_each_element_at_most_once():
-    """Flat partition, W=3: gathered bytes equal what homes lack, nothing more."""
-    results = dist_harness.run(_traffic_worker, 3)
-    sent_total = sum(r[0] for r in results)
-    lacking_total = sum(r[1] for r in results)
-    assert sent_total == lacking_total > 0
-
-
-def _traffic_worker(rank, world):
-    mats, _ = _initial()
-    offsets, pos = end_to_end(mats)
-    lo, hi = boundaries(pos, world)[rank]
-    local = nn.Parameter(torch.zeros(hi - lo))
-    local._ds_muon_flat = True
-    opt = ds_muon.Muon([local], lr=0.05, ns_dtype=torch.float32)
-    opt.binder = lambda o, p, n: ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))
-    local.grad = torch.randn(hi - lo)
-    opt.step()
-    (ex,) = opt.exchanges()
-    layout = ex.layout
-    lacking = sum(info.numel - info.held_numel(rank) for i, info in enumerate(layout.matrices)
-                  if rank in ex.homes[i])
-    return sum(ex.split_send_g), lacking

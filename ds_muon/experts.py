@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from .layout import global_shape
-from .tagging import EXPERTS, expert_weight, split_rows, transposed
+from .tags import EXPERTS, expert_weight, split_rows, transposed
 
 EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_gate")  # set by @use_experts_implementation
 STACK_NAMES = ("gate_up_proj", "up_proj", "down_proj")

@@ -82,6 +82,9 @@ class Muon(Optimizer):
     ``mode="duplicated"`` is the baseline that runs every NS on every rank.
     ``comm_dtype`` (default: lossless — the NS dtype where NS would cast to it
     anyway) can be forced narrower, which breaks bitwise parity.
+    ``adapter`` describes where each tensor's shards live (default: picked per tensor
+    for no wrapper/DDP, FSDP1 and FSDP2; see :mod:`ds_muon.integrations`); DeepSpeed's
+    is attached after ``deepspeed.initialize`` (:meth:`attach`).
     """
 
     def __init__(

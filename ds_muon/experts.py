@@ -72,7 +72,7 @@ def _gate_named(child_name: str) -> bool:
 
 def mark_routers(model: nn.Module) -> None:
     """Mark gate-named siblings of every experts module as routers (the module tree survives
-    FSDP1 wrapping, so binders that see only modules read the same mark)."""
+    FSDP1 wrapping, so adapters that see only modules read the same mark)."""
     for parent in model.modules():
         children = dict(parent.named_children())
         if not any(is_fused_experts(c) for c in children.values()):

@@ -34,6 +34,7 @@ HOW_TO_BIND = (
     '"optimizer": {"type": "DsMuon", ...}), or call ds_muon.integrations.deepspeed.bind(engine) right '
     "after deepspeed.initialize(...) / accelerator.prepare(...) (pass the engine, i.e. the prepared model)"
 )
+FLAT_PARTITION = "_ds_muon_flat"  # on a stack's 1-D flat partitions that hold matrices (DeepSpeed's, once bound)
 
 
 @dataclass(frozen=True)

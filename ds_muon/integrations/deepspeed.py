@@ -35,8 +35,7 @@ import torch
 from ..layout import MatrixSlot, ParamBinding, Piece
 from ..slots import block_slots
 from ..tags import TENSOR_PARALLEL, is_tagged, is_transposed
-from .base import HOW_TO_BIND, BindContext
-from .default import FLAT_PARTITION
+from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .local import bind_replicated
 from .moe import tag_deepspeed_moe
 

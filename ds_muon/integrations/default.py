@@ -16,12 +16,10 @@ import torch
 
 from ..layout import ParamBinding, global_shape
 from ..tags import TENSOR_PARALLEL
-from .base import HOW_TO_BIND, BindContext
+from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .fsdp1 import Fsdp1Adapter, is_flattened_by_fsdp1
 from .fsdp2 import Fsdp2Adapter, is_dtensor
 from .local import LocalAdapter
-
-FLAT_PARTITION = "_ds_muon_flat"  # on DeepSpeed's flat partitions once bound (they hold matrices although 1-D)
 
 
 class DefaultAdapter:

@@ -31,12 +31,28 @@ from ds_muon.planner import CostModel
 SHAPES = [(512, 512), (512, 2048), (2048, 512)] * 8
 
 
+class _HandAdapter:
+    """The flat layout this benchmark lays out by hand, as a ds_muon stack adapter."""
+
+    applies_in_step = False
+    data_parallel_group = None
+
+    def __init__(self, describe):
+        self.describe = describe
+
+    def bind(self, param, name, context):
+        return self.describe(param)
+
+    def grad_final_at_hook(self, param, context):
+        return False
+
+
 def _worker(rank, world, layout, mode, steps, warmup, ns_dtype):
     torch.manual_seed(0)
     mats = [torch.randn(s) * 0.02 for s in SHAPES]
     if layout == "replicated" or mode == "single":
         params = [nn.Parameter(m) for m in mats]
-        binder = None
+        describe = None
     else:
         offsets, pos = [], 0
         for i, m in enumerate(mats):
@@ -46,7 +62,7 @@ def _worker(rank, world, layout, mode, steps, warmup, ns_dtype):
         flat = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())
         flat._ds_muon_flat = True
         params = [flat]
-        binder = lambda o, p, n: ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))  # noqa: E731
+        describe = lambda p: ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))  # noqa: E731
     group = None
     if mode in ("single", "torch"):  # one process does everything: a group of just this rank
         group = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
@@ -54,10 +70,8 @@ def _worker(rank, world, layout, mode, steps, warmup, ns_dtype):
         opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.0)
     else:
         opt = ds_muon.Muon(params, lr=0.02, ns_dtype=ns_dtype, mode="sharded" if mode == "single" else mode,
-                           process_group=group)
-    if isinstance(opt, ds_muon.Muon):
-        opt.binder = binder and (lambda o, p, n: ParamBinding(p, lambda t: t.reshape(-1),
-                                                              binder(o, p, n).matrices, group=group))
+                           process_group=group, adapter=describe and _HandAdapter(
+                               lambda p: ParamBinding(p, lambda t: t.reshape(-1), describe(p).matrices, group=group)))
     times = []
     for s in range(warmup + steps):
         for p in params:

@@ -6,7 +6,7 @@ from .optimizer import Muon
 from .param_groups import muon_param_groups
 from .planner import CostModel, MatrixTask, Plan, plan_homes
 from .scaling import get_muon_scale_factor
-from .tagging import domain, expert_weight, split_rows, tensor_parallel, transposed
+from .tags import domain, expert_weight, split_rows, tensor_parallel, transposed
 
 __all__ = [
     "Muon", "muon_param_groups", "newton_schulz", "get_muon_scale_factor",

@@ -54,7 +54,7 @@ def shapes_from_module(model) -> List[Tuple[str, Tuple[int, int]]]:
     per expert of a fused stack, one per split block)."""
     from .layout import global_shape, matrix_shape
     from .param_groups import split_params_checked
-    from .tagging import logical_blocks
+    from .slots import logical_blocks
 
     muon, _ = split_params_checked(model)
     return [(key, matrix_shape(shape)) for name, p in muon for key, shape, _ in logical_blocks(p, name, global_shape(p))]

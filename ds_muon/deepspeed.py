@@ -27,7 +27,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .integrations.deepspeed import HOW_TO_BIND, bind, check_no_deepspeed_muon_tags, check_supported_config
+from .integrations.base import HOW_TO_BIND
+from .integrations.deepspeed import bind, check_no_deepspeed_muon_tags, check_supported_config
+from .integrations.moe import split_moe_groups
 from .optimizer import Muon
 from .param_groups import muon_param_groups
 from .planner import CostModel
@@ -35,7 +37,7 @@ from .planner import CostModel
 OPTIMIZER_TYPE = "DsMuon"
 # Muon keywords that are not settings (objects ds_muon fills in from the engine), or that
 # cannot apply under DeepSpeed (its gradients are final only inside its own reduction)
-_NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward")
+_NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward", "adapter")
 _GROUP_KEYS = ("adam_lr", "adam_weight_decay", "routers")
 
 
@@ -115,8 +117,6 @@ def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any
     """``Muon`` over ``muon_param_groups(model)`` from a DsMuon entry's ``params``."""
     muon_kw, group_kw = parse_params(entry_params)
     groups = muon_param_groups(model, **group_kw)
-    from .integrations.moe import split_moe_groups
-
     return Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from .layout import global_shape
-from .tagging import EXPERTS, expert_weight, split_rows, transposed
+from .tags import EXPERTS, expert_weight, split_rows, transposed
 
 EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_gate")  # set by @use_experts_implementation
 STACK_NAMES = ("gate_up_proj", "up_proj", "down_proj")
@@ -72,7 +72,7 @@ def _gate_named(child_name: str) -> bool:
 
 def mark_routers(model: nn.Module) -> None:
     """Mark gate-named siblings of every experts module as routers (the module tree survives
-    FSDP1 wrapping, so binders that see only modules read the same mark)."""
+    FSDP1 wrapping, so adapters that see only modules read the same mark)."""
     for parent in model.modules():
         children = dict(parent.named_children())
         if not any(is_fused_experts(c) for c in children.values()):

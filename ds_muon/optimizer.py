@@ -34,6 +34,8 @@ from torch.optim.adamw import adamw as functional_adamw
 from . import agreement
 from .dispatch import BackwardDispatch, Wave, final_grad_params
 from .exchange import Exchange
+from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
+from .integrations.default import default_adapter
 from .layout import Layout, ParamBinding, build_layout, global_shape
 from .newton_schulz import NS_METHODS, compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
 from .overlap import DeferredApply
@@ -80,6 +82,9 @@ class Muon(Optimizer):
     ``mode="duplicated"`` is the baseline that runs every NS on every rank.
     ``comm_dtype`` (default: lossless — the NS dtype where NS would cast to it
     anyway) can be forced narrower, which breaks bitwise parity.
+    ``adapter`` describes where each tensor's shards live (default: picked per tensor
+    for no wrapper/DDP, FSDP1 and FSDP2; see :mod:`ds_muon.integrations`); DeepSpeed's
+    is attached after ``deepspeed.initialize`` (:meth:`attach`).
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class Muon(Optimizer):
         overlap: bool = False,
         waves: int = 4,
         dispatch_in_backward: bool = True,
+        adapter: Optional[StackAdapter] = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
@@ -123,7 +129,9 @@ class Muon(Optimizer):
         self.waves = waves if overlap else 1
         self.dispatch_in_backward = bool(dispatch_in_backward)
         self.nonfinite = nonfinite
-        self.process_group = process_group
+        self.adapter: StackAdapter = adapter if adapter is not None else default_adapter()
+        self._adapter_chosen = adapter is not None  # a chosen adapter is not carried by copies
+        self.process_group = process_group if process_group is not None else self.adapter.data_parallel_group
         self.model = model
         self.comm_dtype = None if comm_dtype is None else _dtype(comm_dtype, "comm_dtype")
         self.planner = planner
@@ -131,7 +139,6 @@ class Muon(Optimizer):
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
         self.nonfinite_skips = 0
-        self.binder: Optional[Callable] = None  # set by an integration that owns the layout
         self._not_carried: Tuple[str, ...] = ()  # what a copy lost and must be given again (see __getstate__)
         self._reset_runtime()
         defaults = dict(
@@ -162,14 +169,14 @@ class Muon(Optimizer):
     # -- copies, pickling and loading --------------------------------------------
     _SETTINGS = ("mode", "overlap", "waves", "dispatch_in_backward", "nonfinite", "comm_dtype", "planner",
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips")
-    _NOT_CARRIED = ("model", "process_group", "binder")
+    _NOT_CARRIED = ("model", "process_group")
 
     def __getstate__(self) -> dict:
         """What ``copy.deepcopy`` and pickle carry: torch's ``defaults``, ``state`` and
         ``param_groups`` plus ds_muon's own settings (``mode``, ``planner``, ``waves``,
         ``comm_dtype``, ``nonfinite``, ``adam_betas``, ...).
 
-        Not carried: ``model``, ``process_group`` and a stack's ``binder`` (a DeepSpeed
+        Not carried: ``model``, ``process_group`` and a chosen ``adapter`` (a DeepSpeed
         binding), nor caches and hooks (bindings, layouts, exchanges, the overlap hooks
         on the model); caches are rebuilt at the first step.  A copy of an optimizer
         that had a ``process_group`` or a DeepSpeed binding refuses to step until it
@@ -181,7 +188,8 @@ class Muon(Optimizer):
         state = super().__getstate__()
         state["ds_muon"] = {k: getattr(self, k) for k in self._SETTINGS}
         state["ds_muon"]["_not_carried"] = tuple(
-            k for k in self._NOT_CARRIED if getattr(self, k, None) is not None) + tuple(self._not_carried)
+            k for k in self._NOT_CARRIED if getattr(self, k, None) is not None) + (
+            ("adapter",) if self._adapter_chosen else ()) + tuple(self._not_carried)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -193,7 +201,8 @@ class Muon(Optimizer):
         if settings is not None:
             lost = settings.pop("_not_carried")
             self.__dict__.update(settings)
-            self.model = self.process_group = self.binder = None
+            self.model = self.process_group = None
+            self.adapter, self._adapter_chosen = default_adapter(), False
             self._not_carried = tuple(sorted(set(lost) - {"model"}))
             self._reset_runtime()
         self._upgrade_groups()
@@ -212,9 +221,7 @@ class Muon(Optimizer):
 
     def _check_not_carried(self) -> None:
         """A copy (deepcopy/pickle) that lost a process group or a stack binding refuses to step."""
-        if "binder" in self._not_carried and self.binder is None:
-            from .integrations.deepspeed import HOW_TO_BIND
-
+        if "adapter" in self._not_carried and not self._adapter_chosen:
             raise RuntimeError(
                 "ds_muon: this Muon is a copy (copy.deepcopy / pickle) of one bound to a DeepSpeed engine; "
                 "bindings are not copied and stepping it unbound would orthogonalize the wrong thing. "
@@ -253,9 +260,6 @@ class Muon(Optimizer):
         if sig == self._binding_sig:
             return
         if sig not in self._resolved:
-            from .integrations import default_binder
-
-            binder = self.binder or default_binder
             bindings: Dict[int, ParamBinding] = {}
             by_group: Dict[object, tuple] = {}
             for gi, g in enumerate(self.param_groups):
@@ -263,11 +267,10 @@ class Muon(Optimizer):
                     continue
                 tags = g.get("param_tags")
                 tags = tags if tags and len(tags) == len(g["params"]) else [None] * len(g["params"])
+                context = BindContext(self.process_group, self.model, g)
                 for pi, p in enumerate(g["params"]):
                     restore_tags(p, tags[pi])  # a stack swapped the tensor muon_param_groups tagged
-                    if self.binder is None and len(global_shape(p)) < 2 and not _is_sharded_container(p):
-                        raise RuntimeError(_unbound_message(self._name(gi, pi), p))
-                    b = binder(self, p, self._name(gi, pi))
+                    b = self.adapter.bind(p, self._name(gi, pi), context)
                     bindings[id(p)] = b
                     # an empty matrix (a layer with 0 outputs or inputs) has nothing to orthogonalize
                     by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend(
@@ -276,6 +279,20 @@ class Muon(Optimizer):
             self._resolved[sig] = (bindings, layouts)
         self._bindings, self._layouts = self._resolved[sig]
         self._binding_sig = sig
+
+    def attach(self, adapter: StackAdapter) -> None:
+        """Describe the tensors with ``adapter`` from now on: for a stack that exists only
+        after the optimizer (DeepSpeed, through ``ds_muon.integrations.deepspeed.bind``).
+        Plans in the adapter's data-parallel group when no ``process_group`` was given."""
+        self.adapter, self._adapter_chosen = adapter, True
+        if self.process_group is None:
+            self.process_group = adapter.data_parallel_group
+        self.invalidate_layouts()
+
+    def _stack_allows_overlap(self) -> bool:
+        """May results be deferred to the next forward and gathers leave from backward?  Not
+        when the stack copies results out right after ``step()`` (DeepSpeed)."""
+        return not self.adapter.applies_in_step
 
     def invalidate_layouts(self) -> None:
         """Forget every binding, layout and compiled exchange (after re-sharding)."""
@@ -585,7 +602,7 @@ class Muon(Optimizer):
             self._drain_early()
             return
         # every domain's (and wave's) exchange is issued before any is waited on
-        defer = self._deferred is not None and self.binder is None
+        defer = self._deferred is not None and self._stack_allows_overlap()
         for layout, ex, pending in self._orthogonalize_all(work, group_of):
             apply = self._applier(layout, ex, pending, group_of)
             if defer:
@@ -593,7 +610,7 @@ class Muon(Optimizer):
                 self._deferred.add([id(q) for q in params], apply, params)
             else:
                 apply()
-        if self._dispatch is not None and self.binder is None:
+        if self._dispatch is not None and self._stack_allows_overlap():
             self._arm(work)
 
     def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True, group_of=None):
@@ -944,17 +961,6 @@ def _check_settings(group: dict, gi: int) -> None:
     for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)
         if key in group:
             {"adam_lr": _check_lr, "adam_betas": _check_betas}.get(key, _number)(group, key, gi)
-
-
-def _unbound_message(name: str, p: torch.Tensor) -> str:
-    """A 1-D tensor in a Muon group that no integration described: a stack swapped it in."""
-    from .integrations.deepspeed import HOW_TO_BIND
-
-    return (
-        f"ds_muon: a Muon group holds a 1-D tensor of {p.numel()} elements where {name} was: a training stack "
-        "replaced the parameters with flat partitions ds_muon was not told about, and running Muon on them would "
-        "orthogonalize the wrong thing. With DeepSpeed: " + HOW_TO_BIND
-    )
 
 
 def _is_sharded_container(p: torch.Tensor) -> bool:

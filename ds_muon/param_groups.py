@@ -1,59 +1,21 @@
-"""Which tensors take Muon: hidden weight matrices.  Everything else takes AdamW.
+"""Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group, by the rules of
+:mod:`ds_muon.selection` (hidden weight matrices take Muon, everything else AdamW).
 
-Embeddings and the output head are matrices too, but Muon's orthogonal update is
-wrong for them (their rows are looked up, not mixed), so they go to AdamW along
-with norms and biases.  A head is a weight tied to an embedding or one whose
-module is named like ``lm_head``/``head``/``output``/``classifier``.
+Also tags what a module declares (split row blocks, ``[in, out]`` storage, fused
+expert stacks) and refuses models whose shapes a stack has hidden.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
-import torch
 from torch import nn
 
+from .experts import check_matrix_dims, check_routers, param_modules, tag_fused_experts
+from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .layout import global_shape
-
-HEAD_NAMES: Tuple[str, ...] = ("lm_head", "head", "output", "classifier")
-EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
-
-
-def split_params(
-    model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"
-) -> Tuple[List[Tuple[str, nn.Parameter]], List[Tuple[str, nn.Parameter]]]:
-    """(muon, adamw) lists of ``(name, parameter)`` in ``model.named_parameters()`` order."""
-    from .experts import takes_adamw
-
-    embedding_ids = set()
-    head_ids = set()
-    for mod_name, mod in model.named_modules():
-        direct = list(mod.named_parameters(recurse=False))
-        if isinstance(mod, EMBEDDING_TYPES):
-            embedding_ids.update(id(p) for _, p in direct)
-        last = mod_name.rsplit(".", 1)[-1]
-        if last in head_names:
-            head_ids.update(id(p) for _, p in direct)
-        head_ids.update(id(p) for n, p in direct if takes_adamw(mod, n, routers))  # routers, expert biases
-    muon, adam = [], []
-    for name, p in model.named_parameters():  # a tied weight appears once
-        if not p.requires_grad:
-            continue
-        if len(global_shape(p)) >= 2 and id(p) not in embedding_ids and id(p) not in head_ids:
-            muon.append((name, p))
-        else:
-            adam.append((name, p))
-    return muon, adam
-
-
-def is_muon_param(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
-                  head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
-    """The same rule for one original tensor (used where parameters are flattened, FSDP1)."""
-    from .experts import takes_adamw
-
-    return (len(shape) >= 2 and not isinstance(module, EMBEDDING_TYPES)
-            and module_name.rsplit(".", 1)[-1] not in head_names and not takes_adamw(module, name, routers))
-
+from .selection import HEAD_NAMES, split_params, stores_in_out
+from .tags import shape_tags, split_rows, transposed
 
 def muon_param_groups(
     model: nn.Module,
@@ -87,16 +49,11 @@ def muon_param_groups(
     that is not a conv weight raises (tag it :func:`ds_muon.expert_weight`, or build
     the groups yourself).
     """
-    from .experts import check_routers
-    from .integrations.fsdp import is_fsdp1_model
-
     check_routers(routers)
     tag_row_blocks(model, split_attention)
 
     if is_fsdp1_model(model):  # FSDP1 hides original shapes: read them from its flat parameters
-        from .integrations.fsdp import fsdp_param_groups
-
-        return fsdp_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
+        return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
                                  **muon_options)
     check_shapes_are_known(model)
     muon, adam = split_params_checked(model, head_names, routers)
@@ -108,8 +65,6 @@ def muon_param_groups(
             f"embedding, an output head ({list(head_names)}), or has fewer than 2 dimensions), so Muon would train "
             "nothing and everything would silently run AdamW. Use AdamW itself for such a model, or pass "
             "head_names= if a hidden layer is named like a head")
-    from .tagging import shape_tags
-
     groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
                "param_tags": [shape_tags(p) for _, p in muon],  # restored if a stack swaps the tensors
                "lr": lr, "weight_decay": weight_decay, **muon_options}]
@@ -122,8 +77,6 @@ def muon_param_groups(
 def split_params_checked(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"):
     """:func:`split_params` after tagging fused expert stacks, with every 3+-D Muon tensor checked
     to be a conv weight or an expert stack (so none is silently one wide matrix)."""
-    from .experts import check_matrix_dims, param_modules, tag_fused_experts
-
     tag_fused_experts(model)
     muon, adam = split_params(model, head_names, routers)
     owners = param_modules(model)
@@ -149,16 +102,9 @@ def check_shapes_are_known(model: nn.Module) -> None:
 SPLIT_ATTENTION = (None, "qkv", "heads")
 
 
-def stores_in_out(module: nn.Module, pname: str) -> bool:
-    """transformers' ``Conv1D`` (GPT-2) stores its weight ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and pname == "weight"
-
-
 def tag_row_blocks(model: nn.Module, split_attention: Optional[str] = None) -> None:
     """Tag the split blocks modules declare (``ds_muon_row_blocks``) and, with
     ``split_attention``, the fused ``in_proj_weight`` of ``nn.MultiheadAttention``."""
-    from .tagging import split_rows, transposed
-
     if split_attention not in SPLIT_ATTENTION:
         raise ValueError(f"muon_param_groups: split_attention={split_attention!r} is unknown; use one of "
                          f"{list(SPLIT_ATTENTION)}")

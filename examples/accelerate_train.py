@@ -248,7 +248,7 @@ def main(argv=None):
         summary["dtensor_params"] = dtensor_params
     if engine is not None:
         summary["zero_stage"] = engine.zero_optimization_stage()
-        summary["deepspeed_binding"] = muon.binder.kind
+        summary["deepspeed_binding"] = muon.adapter.kind
     if rank == 0:
         print(json.dumps(summary), flush=True)
     accelerator.wait_for_everyone()

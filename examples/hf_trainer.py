@@ -80,7 +80,7 @@ class ByteWindows(Dataset):
 
 def muon_scale_factors(groups):
     """The factor Muon applies to each matrix of the groups (what ``Muon`` computes)."""
-    from ds_muon.tagging import is_transposed
+    from ds_muon.tags import is_transposed
 
     out = {}
     for g in groups:

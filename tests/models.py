@@ -103,3 +103,20 @@ def batches(n: int, batch: int = 4, seq: int = 16, vocab: int = 64, seed: int = 
         idx = torch.where(noise, torch.randint(0, vocab, (batch, seq), generator=g), idx)
         out.append(idx)
     return out
+
+
+class HandAdapter:
+    """A stack adapter from a function ``describe(param, name, context) -> ParamBinding``: a
+    sharding laid out by hand in a test (``ds_muon.Muon(..., adapter=HandAdapter(...))``)."""
+
+    applies_in_step = False
+    data_parallel_group = None
+
+    def __init__(self, describe):
+        self.describe = describe
+
+    def bind(self, param, name, context):
+        return self.describe(param, name, context)
+
+    def grad_final_at_hook(self, param, context):
+        return False

@@ -132,11 +132,11 @@ def test_copy_keeps_settings_and_steps_bitwise_like_original(how):
 
 
 def test_copy_of_bound_optimizer_must_be_bound_again():
-    from ds_muon.integrations import default_binder
+    from ds_muon.integrations.default import default_adapter
 
     model = mlp()
     opt = build(model)
-    opt.binder = default_binder  # stands for a DeepSpeed binding: not carried by a copy
+    opt.attach(default_adapter())  # stands for a DeepSpeed binding: not carried by a copy
     train(model, opt, steps=1)
     dup = copy.deepcopy(opt)
     grads(model, 3)
@@ -145,7 +145,7 @@ def test_copy_of_bound_optimizer_must_be_bound_again():
         b.grad = a.grad.clone()
     with pytest.raises(RuntimeError, match="copy.*bound to a DeepSpeed engine.*deepspeed.bind"):
         dup.step()
-    dup.binder = default_binder
+    dup.attach(default_adapter())
     dup.step()
 
 

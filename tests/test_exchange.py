@@ -7,6 +7,7 @@ import ds_muon
 from ds_muon.layout import ParamBinding, slots_in_range
 
 import dist_harness
+from models import HandAdapter
 from test_sharded_engine import _initial, boundaries, end_to_end
 
 
@@ -24,8 +25,8 @@ def _traffic_worker(rank, world):
     lo, hi = boundaries(pos, world)[rank]
     local = nn.Parameter(torch.zeros(hi - lo))
     local._ds_muon_flat = True
-    opt = ds_muon.Muon([local], lr=0.05, ns_dtype=torch.float32)
-    opt.binder = lambda o, p, n: ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))
+    opt = ds_muon.Muon([local], lr=0.05, ns_dtype=torch.float32, adapter=HandAdapter(
+        lambda p, n, context: ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))))
     local.grad = torch.randn(hi - lo)
     opt.step()
     (ex,) = opt.exchanges()

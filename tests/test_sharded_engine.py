@@ -16,6 +16,7 @@ import ds_muon
 from ds_muon.layout import ParamBinding, slots_in_range
 
 import dist_harness
+from models import HandAdapter
 
 SHAPES = [(16, 24), (16, 24), (16, 24), (40, 12), (12, 40), (20, 20), (2, 3), (1, 17), (19, 1), (8, 3, 3, 3),
           (24, 16), (33, 7)]
@@ -90,12 +91,11 @@ def _flat_worker(rank, world, ns_dtype, mode, profile):
     local._ds_muon_flat = True
     bias = nn.Parameter(bias)
 
-    def binder(opt, p, name):
+    def describe(p, name, context):
         return ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))
 
     opt = ds_muon.Muon([{"params": [local]}, {"params": [bias], "use_muon": False, "lr": 1e-2}],
-                       mode=mode, **_opts(ns_dtype))
-    opt.binder = binder
+                       mode=mode, adapter=HandAdapter(describe), **_opts(ns_dtype))
     counts = None
     storage = local.data_ptr()
     for t in range(STEPS):

@@ -23,9 +23,11 @@ from torch import nn
 import ds_muon
 from ds_muon.integrations.local import bind_replicated
 from ds_muon.layout import ParamBinding
-from ds_muon.tagging import EXPERTS, block_slots
+from ds_muon.slots import block_slots
+from ds_muon.tags import EXPERTS
 
 import dist_harness
+from models import HandAdapter
 
 D = 8
 QKV = {"q": 16, "k": 8, "v": 8}  # GQA: 2 query heads per kv head, head_dim 8 — scales differ per block
@@ -200,8 +202,8 @@ def _split_worker(rank, world):
     flat._ds_muon_flat = True
     shaped = ds_muon.split_rows(torch.empty(w.shape, device="meta"), dict(QKV))  # tags only
     o_rep = ds_muon.Muon([{"params": [rep], "param_names": ["qkv"]}], **OPTS)
-    o_flat = ds_muon.Muon([{"params": [flat], "param_names": ["qkv"]}], **OPTS)
-    o_flat.binder = lambda o, p, n: ParamBinding(p, lambda t: t.reshape(-1), block_slots(shaped, n, lo, hi))
+    o_flat = ds_muon.Muon([{"params": [flat], "param_names": ["qkv"]}], adapter=HandAdapter(
+        lambda p, n, context: ParamBinding(p, lambda t: t.reshape(-1), block_slots(shaped, n, lo, hi))), **OPTS)
     counts = []
     for t in range(STEPS):
         g, _ = _qkv_grads(t)
@@ -363,14 +365,14 @@ def _moe_worker(rank, world):
     bias = ds_muon.domain(nn.Parameter(bias0[mine].clone()), edp)
     shape = (2, OUT, IN)
 
-    def binder(opt, p, name):
+    def describe(p, name, context):
         if p is experts:
             return ParamBinding(p, lambda t: t.reshape(-1), block_slots(p, name, lo, hi, 0, shape), group=edp)
-        return bind_replicated(p, name, opt.process_group)
+        return bind_replicated(p, name, context.process_group)
 
     opt = ds_muon.Muon([{"params": [dense, experts], "param_names": ["dense", "experts"]},
-                        {"params": [bias], "param_names": ["experts.bias"], "use_muon": False, "lr": 1e-2}], **OPTS)
-    opt.binder = binder
+                        {"params": [bias], "param_names": ["experts.bias"], "use_muon": False, "lr": 1e-2}],
+                       adapter=HandAdapter(describe), **OPTS)
 
     def set_grads(t, skip_experts=False):
         gd, ge, gb = _moe_grads(t)

@@ -2,8 +2,8 @@
 
 DeepSpeed wraps the client optimizer and replaces the tensors in its
 ``param_groups`` with flat fp32 partitions (one per param group, or per ZeRO-3
-sub-group) before calling ``step()``.  :func:`bind` installs a binder on the
-:class:`~ds_muon.Muon` inside an engine that maps each such partition to a
+sub-group) before calling ``step()``.  :func:`bind` attaches a :class:`DeepSpeedAdapter` to the
+:class:`~ds_muon.Muon` inside an engine; it maps each such partition to a
 :class:`~ds_muon.layout.ParamBinding`:
 
 * ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: every
@@ -20,7 +20,10 @@ sub-group) before calling ``step()``.  :func:`bind` installs a binder on the
   parameters; they are bound as replicas over the data-parallel group.
 
 Nothing here computes offsets of its own: a misdescribed partition would fail
-in :func:`~ds_muon.layout.build_layout`, not corrupt the update.
+in :func:`~ds_muon.layout.build_layout`, not corrupt the update.  DeepSpeed copies
+the partitions into the model's parameters right after ``step()``, so results are
+applied inside it (``applies_in_step``) and no gradient is final before DeepSpeed's
+own reduction.
 """
 
 from __future__ import annotations
@@ -30,14 +33,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..layout import MatrixSlot, ParamBinding, Piece
-from ..tagging import TENSOR_PARALLEL, block_slots, is_tagged, is_transposed
+from ..slots import block_slots
+from ..tags import TENSOR_PARALLEL, is_tagged, is_transposed
+from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .local import bind_replicated
+from .moe import tag_deepspeed_moe
 
-HOW_TO_BIND = (
-    "build the engine with ds_muon.deepspeed.initialize(model=..., config=...) (config entry "
-    '"optimizer": {"type": "DsMuon", ...}), or call ds_muon.integrations.deepspeed.bind(engine) right '
-    "after deepspeed.initialize(...) / accelerator.prepare(...) (pass the engine, i.e. the prepared model)"
-)
+__all__ = ["DeepSpeedAdapter", "bind", "check_supported_config", "check_no_deepspeed_muon_tags", "HOW_TO_BIND"]
 
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +61,7 @@ OFFLOAD_MESSAGE = (
 def check_supported_config(config: dict) -> None:
     """Refuse DeepSpeed settings ds_muon cannot train correctly, before DeepSpeed builds anything.
 
-    The binder refuses the same settings from the built wrapper (for engines built elsewhere)."""
+    The adapter refuses the same settings from the built wrapper (for engines built elsewhere)."""
     zero = config.get("zero_optimization") or {}
     device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
     if device not in ("none", "auto"):
@@ -69,20 +71,27 @@ def check_supported_config(config: dict) -> None:
         raise NotImplementedError(FP16_STAGE0_MESSAGE)
 
 
-class _DeepSpeedBinder:
-    """Maps the tensors DeepSpeed hands to ``Muon.step`` to bindings."""
+class DeepSpeedAdapter:
+    """Maps the tensors DeepSpeed hands to ``Muon.step`` to bindings.
 
-    def __init__(self, engine, muon):
+    ``wrapped``: DeepSpeed wrapped the client optimizer in ``engine.optimizer`` (ZeRO,
+    BF16_Optimizer, stage-0 fp16/bf16); False when the engine steps the client optimizer
+    itself (stage 0, fp32)."""
+
+    applies_in_step = True
+
+    def __init__(self, engine, wrapped: bool = True):
         self.engine = engine
-        self.muon = muon
         self.wrapper = engine.optimizer
+        self.wrapped = wrapped
         self.names: Dict[torch.Tensor, str] = dict(getattr(engine, "param_names", None) or {})
         self.kind, self.flats = self._describe()
+        self.data_parallel_group = _dp_group(engine)
 
     # -- what DeepSpeed built ---------------------------------------------------
     def _describe(self) -> Tuple[str, Dict[int, int]]:
         w = self.wrapper
-        if w is self.muon:
+        if not self.wrapped:
             return "replicated", {}
         if hasattr(w, "fp32_groups") and hasattr(w, "fp16_groups") and not hasattr(w, "fp32_groups_flat"):
             # stage 0 with fp16/bf16 (FP16_UnfusedOptimizer): a full fp32 copy of every parameter
@@ -115,8 +124,23 @@ class _DeepSpeedBinder:
     def _name(self, p: torch.Tensor, fallback: str) -> str:
         return self.names.get(p, fallback)
 
-    # -- the binder -----------------------------------------------------------
-    def __call__(self, optimizer, param: torch.Tensor, name: str) -> ParamBinding:
+    def flat_partitions(self) -> List[torch.Tensor]:
+        """The flat fp32 partitions DeepSpeed steps (none when it steps the parameters themselves)."""
+        w = self.wrapper
+        if self.kind == "zero3":
+            return list(w.fp32_partitioned_groups_flat)
+        if self.kind == "zero12":
+            return list(w.single_partition_of_fp32_groups)
+        if self.kind == "bf16":
+            return list(w.fp32_groups_flat_partition)
+        return []
+
+    # -- the adapter ----------------------------------------------------------
+    def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
+        """Never: DeepSpeed reduces gradients in its own hooks and steps on its partitions."""
+        return False
+
+    def bind(self, param: torch.Tensor, name: str, context: BindContext) -> ParamBinding:
         if self.kind == "replicated":
             if param.ndim < 2:
                 raise RuntimeError(f"ds_muon: {name} (shape {tuple(param.shape)}) reached a Muon group flattened by "
@@ -230,7 +254,7 @@ def check_no_deepspeed_muon_tags(params, names: Optional[Dict] = None) -> None:
 
 
 def bind(engine, optimizer=None):
-    """Install the DeepSpeed binder on the ``ds_muon.Muon`` inside ``engine``; returns the Muon.
+    """Attach a :class:`DeepSpeedAdapter` to the ``ds_muon.Muon`` inside ``engine``; returns the Muon.
 
     Call once, after ``deepspeed.initialize`` (``ds_muon.deepspeed.initialize`` does it
     for you).  ``engine`` is the DeepSpeedEngine (with accelerate: the prepared model).
@@ -245,24 +269,9 @@ def bind(engine, optimizer=None):
         raise ValueError(f"ds_muon: bind() needs the DeepSpeed engine, got {type(engine).__name__}")
     names = dict(getattr(engine, "param_names", None) or {})
     check_no_deepspeed_muon_tags(list(engine.module.parameters()), names)
-    from .moe import tag_deepspeed_moe
-
     tag_deepspeed_moe(engine.module)  # expert parameters: their expert data-parallel domain
-    binder = _DeepSpeedBinder(engine, muon)
-    if binder.kind != "replicated":
-        for t in _flats(binder):
-            t._ds_muon_flat = True  # 1-D flat partitions that hold matrices
-    if muon.process_group is None:
-        muon.process_group = _dp_group(engine)
-    muon.binder = binder
-    muon.invalidate_layouts()
+    adapter = DeepSpeedAdapter(engine, wrapped=engine.optimizer is not muon)
+    for t in adapter.flat_partitions():
+        setattr(t, FLAT_PARTITION, True)  # 1-D flat partitions that hold matrices
+    muon.attach(adapter)
     return muon
-
-
-def _flats(binder: _DeepSpeedBinder):
-    w = binder.wrapper
-    if binder.kind == "zero3":
-        return list(w.fp32_partitioned_groups_flat)
-    if binder.kind == "zero12":
-        return list(w.single_partition_of_fp32_groups)
-    return list(w.fp32_groups_flat_partition)

@@ -1,4 +1,8 @@
-"""Replicated parameters: no wrapper, or DDP.  Every rank holds every matrix whole."""
+"""No wrapper, or DDP: every rank holds every matrix whole; and tensor-parallel shards.
+
+:class:`LocalAdapter` describes both.  A :func:`~ds_muon.tags.tensor_parallel` shard
+is a plain tensor holding a row range or column block of the global weight.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,31 @@ import torch
 import torch.distributed as dist
 
 from ..layout import MatrixSlot, ParamBinding, Piece
-from ..tagging import TENSOR_PARALLEL, block_slots, domain_of, is_tagged, is_transposed, tp_slots
+from ..slots import block_slots, tp_slots
+from ..tags import TENSOR_PARALLEL, domain_of, is_tagged, is_transposed
+from .base import BindContext, single_process
+
+
+class LocalAdapter:
+    """Tensors every rank of the optimizer's group holds whole (no wrapper, DDP, DeepSpeed
+    stage 0), or holds a tensor-parallel shard of; a :func:`~ds_muon.domain` tag narrows the group."""
+
+    applies_in_step = False
+    data_parallel_group = None
+
+    def bind(self, param: torch.Tensor, name: str, context: BindContext) -> ParamBinding:
+        return bind_replicated(param, name, context.process_group)
+
+    def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
+        """Only in one process: DDP (or a hand-written all-reduce) averages gradients after the hook."""
+        return single_process(context.process_group)
 
 
 def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
     """Each rank of ``group`` holds the full tensor, ``[0, numel)`` of its flattening.
 
     A :func:`~ds_muon.domain` tag replaces ``group``; split-row and expert tags make
-    one slot per logical matrix (see :mod:`ds_muon.tagging`).
+    one slot per logical matrix (see :mod:`ds_muon.slots`).
     """
     group = domain_of(param, group)
     if getattr(param, TENSOR_PARALLEL, None) is not None:

@@ -25,8 +25,9 @@ from typing import Dict, Iterable, List, Union
 import torch
 from torch import nn
 
+from ..experts import tag_fused_experts
 from ..layout import global_shape
-from ..tagging import DOMAIN, domain, expert_weight
+from ..tags import domain, expert_weight
 
 
 def _params(modules_or_params) -> List[torch.Tensor]:
@@ -69,8 +70,6 @@ def tag_experts(modules_or_params: Union[nn.Module, torch.Tensor, Iterable], exp
 
 def _tag_fused_stacks(modules_or_params) -> None:
     """Per-expert (and gate/up) tags for the fused stacks of transformers experts modules given."""
-    from ..experts import tag_fused_experts
-
     mods = [modules_or_params] if isinstance(modules_or_params, nn.Module) else (
         [] if isinstance(modules_or_params, torch.Tensor) else [m for m in modules_or_params if isinstance(m, nn.Module)])
     for m in mods:
@@ -132,14 +131,4 @@ def split_moe_groups(groups: List[dict]) -> List[dict]:
             if name is not None:
                 ng.update(moe=True, name=name)
             out.append(ng)
-    return out
-
-
-def domain_params(params: Iterable[torch.Tensor]) -> Dict[int, List[torch.Tensor]]:
-    """Tagged parameters by ``id`` of their domain group (for reports and tests)."""
-    out: Dict[int, List[torch.Tensor]] = {}
-    for p in params:
-        g = getattr(p, DOMAIN, None)
-        if g is not None:
-            out.setdefault(id(g), []).append(p)
     return out

@@ -1,0 +1,179 @@
+"""Tags that tell ds_muon what a tensor's shape alone does not: split row blocks,
+tensor-parallel shards, stacks of expert matrices, and the process group (domain)
+a tensor's replicas live in.
+
+Tags are attributes on the tensor, so they survive being put into param groups;
+each helper returns the tensor it tagged.  Adapters turn them into matrix slots
+through :mod:`ds_muon.slots`; the optimizer reads :func:`domain_of`.  What each
+stack supports is in ``docs/ADVANCED.md``.
+
+* :func:`split_rows` — the rows of a weight are independent matrices (a fused
+  ``[q | k | v]`` projection with GQA sizes, or one block per head).  Each block
+  is its own Newton–Schulz task with its own home and its own scale factor.
+* :func:`tensor_parallel` — the tensor is this rank's shard of a Megatron/TE
+  weight split over a tensor-parallel group along ``partition_dim`` 0
+  (column-parallel: a row range) or 1 (row-parallel: a column block).  The
+  logical matrix, and so the scale factor, is the global one.
+* :func:`expert_weight` — a 3-D ``[E, out, in]`` tensor is ``E`` matrices.
+* :func:`transposed` — a 2-D weight (or expert stack) stored ``[in, out]``; its
+  scale factor is read from ``[out, in]``.
+* :func:`domain` — the tensor's replicas live in ``group`` (expert data-parallel
+  group) rather than the optimizer's ``process_group``; each domain gets its own
+  Layout, plan and fused exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Union
+
+import torch
+
+from .layout import global_shape
+
+SPLIT_ROWS = "_ds_muon_split_rows"  # tuple of (label, rows)
+TENSOR_PARALLEL = "_ds_muon_tp"  # (tp group, partition_dim)
+EXPERTS = "_ds_muon_experts"  # True: dim 0 indexes matrices
+DOMAIN = "_ds_muon_domain"  # process group of the tensor's replicas / shards
+TRANSPOSED = "_ds_muon_transposed"  # True: stored as [in, out] (GPT-2's Conv1D)
+
+
+def _what(param) -> str:
+    return f"a tensor of shape {global_shape(param)}"
+
+
+def split_rows(param: torch.Tensor, sizes: Union[Sequence[int], Dict[str, int]], names: Optional[Sequence[str]] = None):
+    """Orthogonalize row blocks of ``param`` independently: ``sizes`` rows each, top to bottom.
+
+    ``sizes`` is a list of row counts (blocks are labelled ``0, 1, …`` unless
+    ``names`` are given) or a dict ``{label: rows}`` in order, e.g. a fused GQA
+    projection ``{"q": 32, "k": 8, "v": 8}``.  The sizes must add up to the rows
+    of the matrix Muon sees (``shape[0]``; ``shape[1]`` of an :func:`expert_weight`,
+    whose every expert is split alike; the *global* rows of a
+    :func:`tensor_parallel` shard).  Returns ``param``.
+    """
+    if getattr(param, TRANSPOSED, False):
+        raise NotImplementedError(f"ds_muon.split_rows: {_what(param)} is stored [in, out] (ds_muon.transposed): "
+                                  "its rows are inputs, not blocks of outputs")
+    if isinstance(sizes, dict):
+        if names is not None:
+            raise ValueError("ds_muon.split_rows: give labels either as dict keys or as names=, not both")
+        labels, counts = [str(k) for k in sizes], list(sizes.values())
+    else:
+        counts = list(sizes)
+        labels = [str(n) for n in names] if names is not None else [str(i) for i in range(len(counts))]
+    if len(labels) != len(counts):
+        raise ValueError(f"ds_muon.split_rows: {len(labels)} names for {len(counts)} blocks")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"ds_muon.split_rows: block names {labels} repeat")
+    if not counts or any(not isinstance(c, int) or isinstance(c, bool) or c <= 0 for c in counts):
+        raise ValueError(f"ds_muon.split_rows: sizes must be positive ints, got {list(counts)} for {_what(param)}")
+    if len(global_shape(param)) < 2:
+        raise ValueError(f"ds_muon.split_rows: {_what(param)} is not a matrix")
+    setattr(param, SPLIT_ROWS, tuple(zip(labels, counts)))
+    return param
+
+
+def tensor_parallel(param: torch.Tensor, group, partition_dim: int, domain_group=None):
+    """``param`` is this rank's shard of a weight split evenly over the tensor-parallel ``group``.
+
+    ``partition_dim=0``: column-parallel (Megatron ``ColumnParallelLinear``, TE
+    ``parallel_mode="column"``): the rank holds rows ``[k·m, (k+1)·m)`` of the
+    global ``[m·tp, n]`` weight, ``k`` its rank in ``group``.  ``partition_dim=1``:
+    row-parallel: it holds columns ``[k·n, (k+1)·n)`` of the global ``[m, n·tp]``.
+    ``domain_group`` is the process group spanning tensor × data parallelism in
+    which the optimizer plans homes and exchanges (default: the optimizer's
+    ``process_group``, i.e. the world); it must contain ``group``.  Returns ``param``.
+    """
+    if partition_dim not in (0, 1):
+        raise ValueError(f"ds_muon.tensor_parallel: partition_dim must be 0 (column-parallel) or 1 "
+                         f"(row-parallel), got {partition_dim!r} for {_what(param)}")
+    if param.ndim != 2:
+        raise ValueError(f"ds_muon.tensor_parallel: {_what(param)}; tensor-parallel shards must be 2-D "
+                         "Linear weights")
+    if getattr(param, EXPERTS, False):
+        raise NotImplementedError("ds_muon.tensor_parallel: expert weights split over tensor parallelism are not "
+                                  "supported")
+    setattr(param, TENSOR_PARALLEL, (group, partition_dim))
+    if domain_group is not None:
+        setattr(param, DOMAIN, domain_group)
+    return param
+
+
+def expert_weight(param: torch.Tensor, domain_group=None):
+    """A 3-D (or higher) ``[E, out, in…]`` expert weight: ``E`` matrices ``[out, prod(in…)]``.
+
+    ``domain_group``: the expert data-parallel group that holds replicas (or
+    shards) of these experts, when it differs from the optimizer's
+    ``process_group``.  Returns ``param``.
+    """
+    if len(global_shape(param)) < 3:
+        raise ValueError(f"ds_muon.expert_weight: {_what(param)}; an expert stack is [E, out, in]")
+    if getattr(param, TENSOR_PARALLEL, None) is not None:
+        raise NotImplementedError("ds_muon.expert_weight: expert weights split over tensor parallelism are not "
+                                  "supported")
+    setattr(param, EXPERTS, True)
+    if domain_group is not None:
+        setattr(param, DOMAIN, domain_group)
+    return param
+
+
+def transposed(param: torch.Tensor):
+    """A 2-D weight stored as ``[in, out]`` (GPT-2's ``Conv1D``), or an :func:`expert_weight`
+    stack stored ``[E, in, out]``: its scale factor is read from ``[out, in]``.
+    Newton–Schulz needs nothing (orthogonalizing Gᵀ gives the transpose).
+    :func:`ds_muon.muon_param_groups` tags ``Conv1D`` weights itself.  Returns ``param``."""
+    if len(global_shape(param)) != 2 and not getattr(param, EXPERTS, False):
+        raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is a 2-D [in, out] matrix "
+                         "(tag a stack [E, in, out] ds_muon.expert_weight first)")
+    if getattr(param, SPLIT_ROWS, None) is not None:
+        raise NotImplementedError("ds_muon.transposed: row blocks of an [in, out] weight would split the wrong "
+                                  "axis; split_rows and transposed do not combine")
+    setattr(param, TRANSPOSED, True)
+    return param
+
+
+def is_transposed(param: torch.Tensor) -> bool:
+    return bool(getattr(param, TRANSPOSED, False))
+
+
+def domain(param: torch.Tensor, group):
+    """Put ``param`` (Muon or AdamW) in the domain of process group ``group``: its replicas or
+    shards live on the ranks of ``group`` (expert data parallelism).  Returns ``param``."""
+    setattr(param, DOMAIN, group)
+    return param
+
+
+def domain_of(param: torch.Tensor, default=None):
+    """The process group a tensor's replicas live in: its :func:`domain` tag, else ``default``."""
+    return getattr(param, DOMAIN, default)
+
+
+def is_tagged(param: torch.Tensor) -> bool:
+    """Does ``param`` carry a tag that changes which matrices it holds?"""
+    return any(getattr(param, a, None) is not None for a in (SPLIT_ROWS, TENSOR_PARALLEL)) or bool(
+        getattr(param, EXPERTS, False))
+
+
+# -- tags that travel with param groups ---------------------------------------------
+SHAPE_TAGS = (SPLIT_ROWS, EXPERTS, TRANSPOSED)  # which matrices a tensor holds, and how each scales
+
+
+def shape_tags(param: torch.Tensor) -> Optional[dict]:
+    """The tensor's shape tags as plain values, with its shape (None when untagged): what
+    :func:`ds_muon.muon_param_groups` records in a group as ``param_tags``."""
+    tags = {a: getattr(param, a) for a in SHAPE_TAGS if getattr(param, a, None)}
+    return {"shape": tuple(global_shape(param)), **tags} if tags else None
+
+
+def restore_tags(param: torch.Tensor, recorded: Optional[dict]) -> None:
+    """Put recorded tags back on a tensor a stack swapped in for the tagged one (FSDP2's
+    ``fully_shard`` or accelerate after the optimizer was built), so a fused expert stack is
+    not silently one matrix.  Only on an untagged tensor of the recorded shape: a flat
+    partition (DeepSpeed) or a tensor the user re-tagged is left as it is."""
+    if not recorded or any(getattr(param, a, None) for a in SHAPE_TAGS):
+        return
+    if tuple(global_shape(param)) != tuple(recorded["shape"]):
+        return
+    for a in SHAPE_TAGS:
+        if a in recorded:
+            setattr(param, a, recorded[a])

@@ -1,0 +1,130 @@
+"""Stack adapters: the protocol, the choice at construction, what they tell the engine, and the
+package's import graph (adapters apart from the engine, no cycles)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+import ds_muon
+from ds_muon.integrations.base import BindContext, StackAdapter
+from ds_muon.integrations.default import DefaultAdapter
+from ds_muon.integrations.fsdp1 import Fsdp1Adapter
+from ds_muon.integrations.fsdp2 import Fsdp2Adapter
+from ds_muon.integrations.local import LocalAdapter, bind_replicated
+
+from models import HandAdapter
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ENGINE = ("ds_muon.agreement", "ds_muon.dispatch", "ds_muon.exchange", "ds_muon.layout", "ds_muon.newton_schulz",
+          "ds_muon.overlap", "ds_muon.planner", "ds_muon.scaling")
+
+
+def _graph():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "import_graph.py")], capture_output=True,
+                         text=True, check=True).stdout
+    edges = {}
+    for line in out.split("\n\n")[0].splitlines():
+        mod, deps = line.split(" -> ")
+        edges[mod] = set() if deps == "-" else set(deps.split(", "))
+    return out, edges
+
+
+def test_no_import_cycles_and_the_engine_imports_no_adapter():
+    out, edges = _graph()
+    assert "\ncycles: 0\n" in out, out
+    for mod in ENGINE:
+        assert not {d for d in edges[mod] if d.startswith("ds_muon.integrations")}, (mod, edges[mod])
+    # the optimizer knows the protocol and the default only, never a stack's module
+    assert {d for d in edges["ds_muon.optimizer"] if d.startswith("ds_muon.integrations")} <= {
+        "ds_muon.integrations.base", "ds_muon.integrations.default"}
+
+
+def test_every_adapter_follows_the_protocol():
+    for adapter in (DefaultAdapter(), LocalAdapter(), Fsdp1Adapter(), Fsdp2Adapter()):
+        assert isinstance(adapter, StackAdapter), type(adapter).__name__
+        assert adapter.applies_in_step is False and adapter.data_parallel_group is None
+    p = nn.Parameter(torch.randn(4, 3))
+    assert LocalAdapter().grad_final_at_hook(p, BindContext()) is True  # one process: nothing to reduce
+    assert Fsdp1Adapter().grad_final_at_hook(p, BindContext()) is False
+    assert Fsdp2Adapter().grad_final_at_hook(p, BindContext()) is True
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def _grads(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def test_adapter_chosen_at_construction_describes_every_muon_tensor():
+    model = _mlp()
+    seen = []
+
+    def describe(p, name, context):
+        seen.append((name, context.process_group, context.model, context.options["lr"]))
+        return bind_replicated(p, name)
+
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=0.03), adapter=HandAdapter(describe), model=model,
+                       ns_dtype=torch.float32)
+    ref_model = _mlp()
+    ref = ds_muon.Muon(ds_muon.muon_param_groups(ref_model, lr=0.03), ns_dtype=torch.float32)
+    assert isinstance(opt.adapter, HandAdapter) and isinstance(ref.adapter, DefaultAdapter)
+    for t in range(2):
+        _grads(model, t)
+        _grads(ref_model, t)
+        opt.step()
+        ref.step()
+    assert seen == [("0.weight", None, model, 0.03), ("2.weight", None, model, 0.03)]  # bound once, then cached
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+class _AppliesInStep(HandAdapter):
+    applies_in_step = True  # as DeepSpeed: the stack copies results out right after step()
+
+
+def test_an_adapter_that_applies_in_step_turns_deferred_updates_off():
+    steps = {}
+    for kind in ("default", "in_step"):
+        model = _mlp()
+        adapter = None if kind == "default" else _AppliesInStep(lambda p, n, c: bind_replicated(p, n))
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model), overlap=True, model=model, adapter=adapter,
+                           ns_dtype=torch.float32)
+        before = model[0].weight.detach().clone()
+        _grads(model, 0)
+        opt.step()
+        steps[kind] = (torch.equal(model[0].weight, before), opt)
+        opt.flush()
+        steps[kind] += (model[0].weight.detach().clone(),)
+    assert steps["default"][0] is True  # deferred to the next forward (or flush)
+    assert steps["in_step"][0] is False  # applied inside step()
+    assert steps["default"][1]._stack_allows_overlap() and not steps["in_step"][1]._stack_allows_overlap()
+    assert torch.equal(steps["default"][2], steps["in_step"][2])
+
+
+def test_attach_replaces_the_adapter_and_forgets_layouts():
+    model = _mlp()
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model), ns_dtype=torch.float32)
+    _grads(model, 0)
+    opt.step()
+    first = dict(opt._bindings)
+    calls = []
+    group = object()
+
+    class WithGroup(HandAdapter):
+        data_parallel_group = group  # planned in when the optimizer was given no process_group
+
+    opt.attach(WithGroup(lambda p, n, c: calls.append(c.process_group) or first[id(p)]))
+    assert opt.process_group is group
+    opt.process_group = None  # (a fake group cannot run collectives)
+    _grads(model, 1)
+    opt.step()
+    assert calls == [None, None]

@@ -39,7 +39,8 @@ from .newton_schulz import NS_METHODS, compute_dtype, input_dtype, newton_schulz
 from .overlap import DeferredApply
 from .tagging import restore_tags
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
-from .scaling import check_scale_mode, get_muon_scale_factor
+from .scaling import check_scale_mode
+from .update import apply_coefficients, apply_result, ns_input
 
 MODES = ("sharded", "duplicated")
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
@@ -613,16 +614,10 @@ class Muon(Optimizer):
             p = b.param
             g = group_of[id(p)]
             sl = slice(slot.local_offset, slot.local_offset + slot.piece.numel)
-            grad = b.flat(p.grad)[sl]
             buf = b.flat(self.state[p]["momentum_buffer"])[sl]
-            if g["weight_decay"] and g["weight_decay_mode"] == "l2":
-                grad = grad.add(b.flat(p)[sl], alpha=g["weight_decay"])
-            if commit:
-                new = buf.lerp_(grad, 1 - g["momentum"])
-            else:
-                new = buf.lerp(grad, 1 - g["momentum"])
+            pieces[i], new = ns_input(b.flat(p.grad)[sl], buf, b.flat(p)[sl], g, commit)
+            if not commit:
                 commits.append((buf, new))
-            pieces[i] = grad.lerp(new, g["momentum"]) if g["nesterov"] else new
         return pieces, commits
 
     def _muon_groups(self) -> Dict[int, dict]:
@@ -672,13 +667,7 @@ class Muon(Optimizer):
             b, slot = layout.local[i]
             if slot.piece is None or slot.piece.numel == 0:
                 continue
-            g = group_of[id(b.param)]
-            lr = float(g["lr"])  # a tensor lr (as torch.optim allows) is read as a number here
-            decay = 1 - lr * g["weight_decay"] if g["weight_decay"] and g["weight_decay_mode"] == "decoupled" else None
-            rows, cols = slot.matrix_shape
-            if slot.transposed:  # stored [in, out]: the layer maps cols -> rows the other way
-                rows, cols = cols, rows
-            alpha = -lr * get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
+            decay, alpha = apply_coefficients(group_of[id(b.param)], slot.matrix_shape, slot.transposed)
             updates.append((i, b, slot, decay, alpha))
 
         @torch.no_grad()  # may run later, from a forward pre-hook
@@ -686,9 +675,7 @@ class Muon(Optimizer):
             results = ex.scatter_finish(pending)
             for i, b, slot, decay, alpha in updates:
                 param = b.flat(b.param)[slot.local_offset:slot.local_offset + slot.piece.numel]
-                if decay is not None:
-                    param.mul_(decay)
-                param.add_(results[i].reshape(-1), alpha=alpha)
+                apply_result(param, results[i], decay, alpha)
 
         return apply
 

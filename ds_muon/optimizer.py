@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,42 +34,18 @@ from torch.optim.adamw import adamw as functional_adamw
 from . import agreement
 from .dispatch import BackwardDispatch, Wave, final_grad_params
 from .exchange import Exchange
+from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .layout import Layout, ParamBinding, build_layout, global_shape
-from .newton_schulz import NS_METHODS, compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
+from .layout import is_flat_shard as _is_sharded_container  # the name _resolve uses
+from .newton_schulz import compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
 from .overlap import DeferredApply
 from .tagging import restore_tags
 from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
-from .scaling import check_scale_mode
 from .update import apply_coefficients, apply_result, ns_input
 
 MODES = ("sharded", "duplicated")
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
-WEIGHT_DECAY_MODES = ("decoupled", "l2")
 NONFINITE = ("raise", "skip")
-
-
-def _dtype(value, name: str) -> torch.dtype:
-    """A floating-point torch dtype from a dtype or its name ('bfloat16', 'torch.float32')."""
-    d = value
-    if isinstance(value, str):
-        d = getattr(torch, value.replace("torch.", ""), None)
-    if isinstance(d, torch.dtype) and d.is_floating_point and not d.is_complex:
-        return d
-    raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32')")
-
-
-_DTYPE_NAMES: Dict[object, str] = {}  # accepted dtypes and names -> name (the per-step check is a dict hit)
-
-
-def _dtype_name(value, name: str) -> str:
-    """The name param_groups store (``'bfloat16'``): checkpoint tools (DCP's full and
-    cpu-offloaded state dicts) walk param_groups and refuse a ``torch.dtype`` value."""
-    try:
-        return _DTYPE_NAMES[value]
-    except (KeyError, TypeError):
-        out = str(_dtype(value, name)).replace("torch.", "")
-        _DTYPE_NAMES[value] = out
-        return out
 
 
 class Muon(Optimizer):
@@ -126,7 +102,7 @@ class Muon(Optimizer):
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.model = model
-        self.comm_dtype = None if comm_dtype is None else _dtype(comm_dtype, "comm_dtype")
+        self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
         self.cost_model = cost_model or CostModel()
         self.adam_betas = tuple(adam_betas)
@@ -139,7 +115,7 @@ class Muon(Optimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
             ns_method=ns_method,
-            ns_dtype=_dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
+            ns_dtype=dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor, use_muon=True,
         )
         super().__init__(params, defaults)
@@ -204,8 +180,8 @@ class Muon(Optimizer):
         missing group keys from the defaults, dtypes by name, and an AdamW ``step``
         stored as a plain number as a float32 tensor."""
         for group in self.param_groups:
-            _fill_group_defaults(group, self.defaults, self.adam_betas, self.adam_eps)
-            group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
+            fill_group_defaults(group, self.defaults, self.adam_betas, self.adam_eps)
+            group["ns_dtype"] = dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
@@ -232,7 +208,7 @@ class Muon(Optimizer):
             param_group.setdefault("eps", self.adam_eps)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _validate_group(group, len(self.param_groups) - 1)
+        validate_group(group, len(self.param_groups) - 1)
         if hasattr(self, "_resolved"):
             self.invalidate_layouts()
 
@@ -306,7 +282,7 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for gi, g in enumerate(self.param_groups):
-            _check_settings(g, gi)
+            check_settings(g, gi)
         if self._not_carried:
             self._check_not_carried()
         self.flush()
@@ -717,35 +693,10 @@ class Muon(Optimizer):
         """torch's load, after checking that the saved groups match these (same
         algorithm, same tensor names) and hold valid settings; older ds_muon state dicts
         are brought up to date (see :meth:`_upgrade_groups`)."""
-        self._check_loaded_groups(state_dict["param_groups"])
+        check_loaded_groups(self.param_groups, state_dict["param_groups"], self.defaults, self.adam_betas, self.adam_eps)
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
         super().load_state_dict(state_dict)
-
-    def _check_loaded_groups(self, saved_groups) -> None:
-        """ValueError, before anything changes, when a saved group would give its tensors
-        the other algorithm or other tensors' state, or holds an invalid setting."""
-        if len(saved_groups) != len(self.param_groups):
-            return  # torch's own check names this
-        for gi, (now, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            saved = dict(saved)
-            _fill_group_defaults(saved, self.defaults, self.adam_betas, self.adam_eps)
-            if bool(saved["use_muon"]) != bool(now["use_muon"]):
-                first = (now.get("param_names") or saved.get("param_names") or ["?"])[0]
-                raise ValueError(
-                    f"ds_muon: loaded param_groups[{gi}] has use_muon={saved['use_muon']} but this optimizer's "
-                    f"group {gi} (first tensor {first}) has use_muon={now['use_muon']}: the state dict's groups are "
-                    "in another order or from other groups; build the optimizer with the groups it was saved with")
-            ours, theirs = now.get("param_names"), saved.get("param_names")
-            if ours and theirs and list(ours) != list(theirs):
-                k = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                a = ours[k] if k < len(ours) else "(none)"
-                b = theirs[k] if k < len(theirs) else "(none)"
-                raise ValueError(
-                    f"ds_muon: loaded param_groups[{gi}] names tensor {k} {b!r} but this optimizer's group names "
-                    f"{a!r}: the state would go to the wrong tensors; build the optimizer with the groups (and "
-                    "tensor order) it was saved with")
-            _check_settings(saved, gi)
 
     def _exchange_key(self, layout: Layout, todo: List[int]) -> tuple:
         """What a compiled exchange depends on: the layout, its active matrices, and the NS
@@ -764,7 +715,7 @@ class Muon(Optimizer):
             b, _ = layout.local[i]
             g = group_of[id(b.param)]
             info = layout.matrices[i]
-            ns_dtype = compute_dtype(g["ns_method"], _dtype(g["ns_dtype"], "ns_dtype"))  # stored by name
+            ns_dtype = compute_dtype(g["ns_method"], as_dtype(g["ns_dtype"], "ns_dtype"))  # stored by name
             mom_dtype = b.flat(b.param).dtype
             device = b.flat(b.param).device
             if self.comm_dtype is not None:
@@ -819,120 +770,6 @@ def _split_waves(idx: List[int], layout: Layout, waves: int) -> List[List[int]]:
     return out
 
 
-def _fill_group_defaults(group: dict, defaults: dict, adam_betas, adam_eps) -> None:
-    """Keys a group from an older ds_muon lacks: AdamW's ``betas``/``eps`` from the
-    optimizer's ``adam_betas``/``adam_eps``, everything else from ``defaults``."""
-    if not group.setdefault("use_muon", True):
-        group.setdefault("betas", tuple(adam_betas))
-        group.setdefault("eps", adam_eps)
-    for k, v in defaults.items():
-        group.setdefault(k, v)
-
-
-def _validate_group(group: dict, gi: int) -> None:
-    """Every setting (:func:`_check_settings`) and the tensors of one group."""
-    _check_settings(group, gi)
-    for p in group["params"]:
-        if torch.is_complex(p):
-            raise ValueError(f"param_groups[{gi}]: complex parameter of shape {tuple(p.shape)}; ds_muon supports real tensors only")
-    if not group["use_muon"]:
-        return
-    names = group.get("param_names")
-    for pi, p in enumerate(group["params"]):
-        if len(global_shape(p)) < 2 and not _is_sharded_container(p):
-            name = names[pi] if names else f"params[{pi}]"
-            raise ValueError(
-                f"param_groups[{gi}] {name}: a Muon group holds a tensor of shape {global_shape(p)}; Muon "
-                "needs matrices (ndim >= 2). Build groups with ds_muon.muon_param_groups(model) or put "
-                "this tensor in a group with use_muon=False (AdamW)"
-            )
-
-
-def _number(group: dict, key: str, gi: int, low: float = 0.0, strict: bool = False, below: Optional[float] = None):
-    """``group[key]`` as a finite real number in [low, below) (or (low, ...) if strict), else ValueError.
-    NaN fails every comparison, so it is refused like any other bad value."""
-    v = group[key]
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    if ok:
-        ok = (v > low if strict else v >= low) and (v < below if below is not None else v < math.inf)
-    if not ok:
-        span = f"{'(' if strict else '['}{low}, {below if below is not None else 'inf'})"
-        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number in {span}, got {v!r}")
-    return v
-
-
-def _check_lr(group: dict, key: str, gi: int) -> None:
-    """A learning rate: a finite number >= 0 or, as in torch.optim, a 1-element tensor."""
-    lr = group[key]
-    if torch.is_tensor(lr):
-        if lr.numel() != 1 or lr.is_complex():
-            raise ValueError(f"param_groups[{gi}]: a tensor {key} must hold 1 real element, got shape {tuple(lr.shape)}")
-        if not group["use_muon"] and group.get("foreach"):
-            raise ValueError(f"param_groups[{gi}]: a tensor {key} needs foreach=False (torch's AdamW refuses it with foreach=True)")
-        if lr.device.type != "cpu":
-            return  # reading it would wait for the device every step; torch.optim does not check it either
-        lr = lr.item()
-    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0.0 <= lr < math.inf):
-        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number >= 0, got {group[key]!r}")
-
-
-def _check_betas(group: dict, key: str, gi: int) -> None:
-    betas = group[key]
-    try:
-        b1, b2 = betas
-        ok = all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in (b1, b2))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"param_groups[{gi}]: {key} must be two numbers in [0, 1), got {betas!r}")
-
-
-_GOOD_SCHEDULES: set = set()  # (coefficients, steps) seen valid; the per-step check is a set hit
-
-
-def _check_schedule(coefficients, steps) -> None:
-    try:
-        key = (coefficients, steps, type(steps))
-        if key in _GOOD_SCHEDULES:
-            return
-    except TypeError:  # a list of triples: not hashable, checked in full
-        key = None
-    resolve_coefficients(coefficients, steps)
-    if key is not None:
-        _GOOD_SCHEDULES.add(key)
-
-
-def _check_settings(group: dict, gi: int) -> None:
-    """Every hyper-parameter of one group, checked before anything changes (at
-    construction, at load and at the start of every ``step()``: groups are plain
-    dicts that schedulers and users edit).  Raises ValueError naming the group and
-    the setting.  A ``torch.dtype`` ``ns_dtype`` is stored by name."""
-    _check_lr(group, "lr", gi)
-    _number(group, "weight_decay", gi)
-    if not group["use_muon"]:
-        _check_betas(group, "betas", gi)
-        _number(group, "eps", gi)
-        return
-    _number(group, "momentum", gi, below=1.0)
-    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
-        raise ValueError(
-            f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
-            f"use one of {list(WEIGHT_DECAY_MODES)}")
-    try:
-        _check_schedule(group["ns_coefficients"], group["ns_steps"])
-        check_scale_mode(group["scale_mode"])
-        group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")
-    except ValueError as e:
-        raise ValueError(f"param_groups[{gi}]: {e}") from None
-    if group["ns_method"] not in NS_METHODS:
-        raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
-    _number(group, "eps", gi, strict=True)  # the NS normalisation floor
-    _number(group, "extra_scale_factor", gi)
-    for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)
-        if key in group:
-            {"adam_lr": _check_lr, "adam_betas": _check_betas}.get(key, _number)(group, key, gi)
-
-
 def _unbound_message(name: str, p: torch.Tensor) -> str:
     """A 1-D tensor in a Muon group that no integration described: a stack swapped it in."""
     from .integrations.deepspeed import HOW_TO_BIND
@@ -942,13 +779,6 @@ def _unbound_message(name: str, p: torch.Tensor) -> str:
         "replaced the parameters with flat partitions ds_muon was not told about, and running Muon on them would "
         "orthogonalize the wrong thing. With DeepSpeed: " + HOW_TO_BIND
     )
-
-
-def _is_sharded_container(p: torch.Tensor) -> bool:
-    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions).
-    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`~ds_muon.layout.global_shape`)."""
-    return (hasattr(p, "_fqns") or getattr(p, "_ds_muon_flat", False)
-            or getattr(p, "_fsdp_flattened", False))  # FSDP1 use_orig_params=True: 1-D views
 
 
 def _is_replica(p: torch.Tensor) -> bool:

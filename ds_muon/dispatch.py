@@ -207,6 +207,11 @@ class BackwardDispatch:
         self._reset()
         return out
 
+    def redo(self) -> None:
+        """Every rank found an early dispatch stale: wait them out; step() gathers afresh."""
+        self.redone += 1
+        self.drain()
+
     def drain(self) -> None:
         """Wait out every early gather (every rank issued the same ones) and forget them."""
         for k, e in self._early.items():

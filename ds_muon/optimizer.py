@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from . import agreement
+from .agreement import Agreement, settings_of
 from .dispatch import BackwardDispatch, Wave, final_grad_params
 from .exchange import Exchange
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
-from .layout import Layout, ParamBinding, build_layout, global_shape
+from .layout import Layout, ParamBinding, build_layout, global_shape, local_shard
 from .layout import is_flat_shard as _is_sharded_container  # the name _resolve uses
 from .newton_schulz import compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
 from .overlap import DeferredApply
@@ -132,9 +132,8 @@ class Muon(Optimizer):
         self._layouts: List[Layout] = []
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
-        self._agreement: Dict[tuple, tuple] = {}  # per set of tensors: rows of the agreement all_reduce
+        self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
-        self._mesh_group: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
 
     # -- copies, pickling and loading --------------------------------------------
     _SETTINGS = ("mode", "overlap", "waves", "dispatch_in_backward", "nonfinite", "comm_dtype", "planner",
@@ -260,7 +259,6 @@ class Muon(Optimizer):
         self._exchanges.clear()
         self._agreement.clear()
         self._final_grads = None
-        self._mesh_group = None
         self._binding_sig = None
         if getattr(self, "_deferred", None) is not None:
             self._deferred.reset_owners()
@@ -328,105 +326,27 @@ class Muon(Optimizer):
                     if _fsdp1_view(p):
                         st["momentum_buffer"] = _placeholder_like(p)
 
-    def _agreement_group(self):
-        """The group every rank of this optimizer runs the step's collectives in: ``process_group``,
-        else the ranks of the FSDP2 mesh the parameters live on (a sub-mesh need not be the world)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1
-        group = self.process_group
-        if group is None:
-            if self._mesh_group is None or self._mesh_group[0] != self._binding_sig:
-                self._mesh_group = (self._binding_sig, _mesh_group(self.param_groups))
-            group = self._mesh_group[1]
-        return group, dist.get_world_size(group)
+    def _step_group(self):
+        """The group the step's collectives run in, and its size (see :meth:`Agreement.group`)."""
+        return self._agreement.group(self.process_group, self.param_groups, self._binding_sig)
 
-    def _local_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+    def _flat(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """This rank's flat local data of ``t``: ``p`` itself, its gradient or a state tensor."""
         b = self._bindings.get(id(p))
-        g = p.grad
-        if g is None:
-            return None
-        return b.flat(g) if b is not None else _local(g)
-
-    def _local_numel(self, p: torch.Tensor) -> int:
-        b = self._bindings.get(id(p))
-        return b.flat(p).numel() if b is not None else _local(p).numel()
+        return b.flat(t) if b is not None else local_shard(t)
 
     def _check_gradients(self) -> Optional[set]:
-        """Which tensors step, agreed by every rank before anything changes.
-
-        Returns None when the step is skipped.  Raises on the first problem, the
-        same error on every rank (the flags are all-reduced, not local).
-        """
+        """Which tensors step, agreed by every rank before anything changes
+        (:class:`~ds_muon.agreement.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
-        group, world = self._agreement_group()
-        rows, nrows, names = self._agreement_rows(items, group, world)
-        flags = [[0] * agreement.COLUMNS for _ in range(nrows)]  # see ds_muon.agreement
-        checks = []  # (row, (min, max), is a replica)
-        minmax = {}
-        for k, (gi, pi, p) in enumerate(items):
-            k = rows[k]
-            g = p.grad
-            if g is None:
-                # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
-                flags[k][agreement.NO_GRAD] = int(self._local_numel(p) > 0)
-                continue
-            if g.is_sparse:
-                raise ValueError(f"ds_muon: {self._name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
-            flags[k][agreement.HAS_GRAD] = 1
-            lg = self._local_grad(p)
-            if lg.numel():
-                # min and max in one pass: NaN and ±inf both show up in them
-                minmax[id(p)] = torch.stack(torch.aminmax(lg))
-                checks.append((k, minmax[id(p)], world > 1 and _is_replica(p)))
-        if checks:
-            mm = torch.stack([c for _, c, _ in checks])
-            ok = torch.isfinite(mm).all(dim=1).to(torch.int64)
-            host = torch.stack([ok, agreement.minmax_hash(mm)]) if world > 1 else ok.expand(2, -1)
-            ok, fp = host.cpu().tolist()  # one device-to-host copy
-            for (k, _, replica), good, h in zip(checks, ok, fp):
-                flags[k][agreement.NONFINITE] = int(not good)
-                if replica:  # its gradient must be the same on every rank
-                    flags[k][agreement.N_HASHED:] = agreement.hashed_row(h)[agreement.N_HASHED:]
-        # one more row: "a wave dispatched from backward read something that changed since"
-        stale = [0] * agreement.COLUMNS
-        stale[0] = int(self._dispatch is not None and self._dispatch.stale(minmax))
-        flags.append(stale)
-        if world > 1:
-            settings = agreement.settings_of(self)  # and one: every rank's settings, hashed
-            flags.append(agreement.hashed_row(agreement.settings_hash(settings)))
-            total = torch.tensor(flags, dtype=torch.int64, device=_comm_device(group))
-            dist.all_reduce(total, group=group)
-            flags = total.cpu().tolist()
-            if agreement.hashes_differ(flags[nrows + 1]):
-                everyone = [None] * world
-                dist.all_gather_object(everyone, settings, group=group)
-                raise ValueError(
-                    f"ds_muon: optimizer settings differ between ranks: {agreement.first_difference(everyone)}; "
-                    "every rank must build Muon with the same arguments and param groups, and change them alike")
-        if flags[nrows][0]:  # on every rank alike: wait out the early gathers, redo them below
-            self._dispatch.redone += 1
-            self._drain_early()
-        for k in range(nrows):
-            if flags[k][0] and flags[k][1]:
-                raise RuntimeError(
-                    f"ds_muon: {names[k]} has a gradient on {flags[k][0]} rank(s) and none on "
-                    f"{flags[k][1]}; every rank must produce the same set of gradients (unused parameters "
-                    "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
-                )
-        drift = [k for k in range(nrows) if agreement.hashes_differ(flags[k]) and not flags[k][agreement.NONFINITE]]
-        if drift:
-            raise RuntimeError(
-                f"ds_muon: {names[drift[0]]} (and {len(drift) - 1} more) is replicated (every rank holds all of it) "
-                "but its gradient differs between ranks, so the ranks would train different models: gradients are "
-                "not being averaged. Wrap the model in DDP (or FSDP / DeepSpeed) before training; with "
-                "transformers' Trainer do not call trainer.evaluate() before trainer.train() (it then never wraps "
-                "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
-        bad = [k for k in range(nrows) if flags[k][2]]
-        if bad:
-            name = names[bad[0]]
+        group, world = self._step_group()
+        verdict = self._agreement.check(items, self._name, self._flat, group, world,
+                                        settings_of(self) if world > 1 else None, self._dispatch)
+        if verdict.nonfinite:
+            name = verdict.nonfinite[0]
             if self.nonfinite == "raise":
                 raise FloatingPointError(
-                    f"ds_muon: non-finite gradient in {name} (and {len(bad) - 1} more); nothing "
+                    f"ds_muon: non-finite gradient in {name} (and {len(verdict.nonfinite) - 1} more); nothing "
                     "was changed. Pass nonfinite='skip' to skip such steps instead"
                 )
             self.nonfinite_skips += 1
@@ -434,73 +354,7 @@ class Muon(Optimizer):
                 f"ds_muon: skipped step: non-finite gradient in {name} "
                 f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=3)
             return None
-        return {id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k]][0]}
-
-    def _agreement_rows(self, items, group, world) -> Tuple[List[int], int, List[str]]:
-        """Where each tensor's flags go in the one all_reduce of :meth:`_check_gradients`.
-
-        Tensors without a :func:`~ds_muon.domain` tag (or whose domain is the whole
-        agreement group) are the same tensors on every rank: one row each, in order.
-        Tensors of a smaller domain (expert data parallelism) differ between domains,
-        so each domain gets its own block of rows, written only by its members: the
-        sums then count agreement within the domain, and every rank still sees every
-        problem (and raises or skips alike).  The block layout is agreed once per set
-        of tensors (one all_gather_object); returns (row of each item, rows, row names).
-        """
-        key = tuple(id(p) for _, _, p in items)
-        cached = self._agreement.get(key)
-        if cached is not None:
-            return cached
-        names = [self._name(gi, pi) for gi, pi, _ in items]
-        if world == 1:
-            out = (list(range(len(items))), len(items), names)
-            self._agreement[key] = out
-            return out
-        from .tagging import domain_of
-
-        here = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        common: List[int] = []
-        mine: Dict[tuple, List[int]] = {}
-        for k, (_, _, p) in enumerate(items):
-            d = domain_of(p)
-            ranks = None if d is None else tuple(sorted(dist.get_process_group_ranks(d)))
-            if ranks is None or ranks == tuple(sorted(here)):
-                common.append(k)
-            else:
-                if not set(ranks) <= set(here):
-                    raise ValueError(
-                        f"ds_muon: {names[k]} is tagged with a domain of ranks {list(ranks)}, not all of which are in "
-                        f"the optimizer's process_group (ranks {sorted(here)})")
-                mine.setdefault(ranks, []).append(k)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, (len(common), {r: [names[k] for k in ks] for r, ks in mine.items()}),
-                               group=group)
-        if len({n for n, _ in everyone}) > 1:
-            raise ValueError(
-                "ds_muon: ranks list different numbers of tensors outside expert domains "
-                f"({[n for n, _ in everyone]} by rank); every rank must build the optimizer over the same model")
-        blocks: Dict[tuple, List[str]] = {}
-        for r, (_, doms) in enumerate(everyone):
-            for ranks, dnames in doms.items():
-                if here[r] not in ranks:
-                    raise ValueError(f"ds_muon: rank {here[r]} tags {dnames[0]} with a domain it is not in {list(ranks)}")
-                if ranks in blocks and len(blocks[ranks]) != len(dnames):
-                    raise ValueError(
-                        f"ds_muon: the ranks of domain {list(ranks)} list different numbers of tensors in it "
-                        f"({len(blocks[ranks])} and {len(dnames)}, e.g. {dnames[0]}); replicas of an expert must "
-                        "hold the same tensors")
-                blocks.setdefault(ranks, dnames)
-        rows = [0] * len(items)
-        for j, k in enumerate(common):
-            rows[k] = j
-        row_names = [names[k] for k in common]
-        for ranks in sorted(blocks):
-            for j, k in enumerate(mine.get(ranks, [])):
-                rows[k] = len(row_names) + j
-            row_names.extend(f"{n} (domain of ranks {list(ranks)})" for n in blocks[ranks])
-        out = (rows, len(row_names), row_names)
-        self._agreement[key] = out
-        return out
+        return verdict.active
 
     def _adamw(self, group: dict, params: List[torch.Tensor]) -> None:
         params = self._skip_empty(params)
@@ -509,8 +363,8 @@ class Muon(Optimizer):
         st = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         functional_adamw(
-            [_local(p) for p in params], [_local(p.grad) for p in params], [_local(s["exp_avg"]) for s in st],
-            [_local(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
+            [local_shard(p) for p in params], [local_shard(p.grad) for p in params], [local_shard(s["exp_avg"]) for s in st],
+            [local_shard(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
@@ -613,7 +467,7 @@ class Muon(Optimizer):
         if self._final_grads is None or self._final_grads[0] != self._binding_sig:
             self._final_grads = (self._binding_sig, final_grad_params(self.model))
         final = self._final_grads[1]
-        single = self._agreement_group()[1] == 1
+        single = self._step_group()[1] == 1
         waves = []
         for layout, todo in work:
             key = self._exchange_key(layout, todo)
@@ -781,17 +635,6 @@ def _unbound_message(name: str, p: torch.Tensor) -> str:
     )
 
 
-def _is_replica(p: torch.Tensor) -> bool:
-    """Does every rank of the agreement group hold all of ``p`` (no wrapper, DDP, DeepSpeed stage 0)?
-
-    Shards (DTensors, FSDP1 flat parameters and views, ZeRO partitions) and
-    tensor-parallel pieces differ between ranks by design."""
-    from .tagging import TENSOR_PARALLEL
-
-    return not (_is_sharded_container(p) or hasattr(p, "placements")
-                or getattr(p, TENSOR_PARALLEL, None) is not None)
-
-
 def _fsdp1_view(p: torch.Tensor) -> bool:
     """An original parameter FSDP1 (use_orig_params=True) flattened into a FlatParameter."""
     return getattr(p, "_fsdp_flattened", False) and not hasattr(p, "_fqns")
@@ -801,7 +644,7 @@ def _relaid_like(buf: torch.Tensor, p: torch.Tensor, binding: Optional[ParamBind
     """``buf`` copied into ``p``'s memory layout (a channels_last weight's momentum saved
     from a contiguous model), so the binding's flat view of it is a view: the momentum
     update is written through it and must land in the state."""
-    if buf.shape != p.shape or _local(p) is not p:
+    if buf.shape != p.shape or local_shard(p) is not p:
         return buf
     out = torch.empty_like(p, dtype=buf.dtype, memory_format=torch.preserve_format).copy_(buf)
     if binding is not None:
@@ -820,48 +663,10 @@ def _placeholder_like(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (no collective); any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
-
-
 def _placement_sig(p: torch.Tensor):
     placements = getattr(p, "placements", None)
     return (tuple(str(x) for x in placements), tuple(p.shape)) if placements is not None else tuple(p.shape)
 
 
-def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
-    """With ``process_group=None``: the group spanning the device mesh of the DTensor parameters, None
-    (the world) when they span the world or there are none.  Raises when it cannot be named here."""
-    meshes = {}
-    for g in param_groups:
-        for p in g["params"]:
-            mesh = getattr(p, "device_mesh", None)
-            if mesh is not None:
-                meshes.setdefault(tuple(mesh.mesh.flatten().tolist()), mesh)
-    if not meshes:
-        return None
-    if len(meshes) > 1:
-        raise ValueError(
-            f"ds_muon: the DTensor parameters live on {len(meshes)} device meshes with different ranks "
-            f"({sorted(meshes)[:2]} ...); pass Muon(..., process_group=) the group spanning all of them")
-    ranks, mesh = next(iter(meshes.items()))
-    if sorted(ranks) == list(range(dist.get_world_size())):
-        return None
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    raise ValueError(
-        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)}, not the "
-        "whole world; pass Muon(..., process_group=) a process group spanning exactly those ranks (one that every "
-        "rank of the mesh created with torch.distributed.new_group)")
-
-
 def _group_key(group):
     return None if group is None else id(group)
-
-
-def _comm_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

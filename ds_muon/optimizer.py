@@ -1,20 +1,22 @@
 """``Muon``: a torch.optim.Optimizer that orthogonalizes each weight matrix once, at one home rank.
 
-The step's order (every stack goes through the same path):
+The step's stages, in :meth:`Muon.step`'s order (every stack goes through the same path):
 
-1. check, before anything changes: gradient presence agrees across ranks and
-   every gradient is finite (one small all_reduce when distributed);
+1. check (:mod:`~ds_muon.agreement`), before anything changes: gradient presence
+   agrees across ranks and every gradient is finite (one small all_reduce);
 2. AdamW, through torch's own functional AdamW, on tensors of ``use_muon=False``
    groups (and on the non-matrix slices of mixed flat shards);
-3. Muon, on local pieces only: weight decay, momentum, Nesterov;
-4. the :mod:`~ds_muon.exchange` brings every matrix whole to its home
-   (:mod:`~ds_muon.planner`), NS runs there batched by shape, results go back;
-5. each rank applies its pieces of the results in place.
+3. layouts: which matrices of each layout (one per process group) step;
+4. plan (:mod:`~ds_muon.compile`): homes (:mod:`~ds_muon.planner`), wire dtypes and
+   waves, compiled once into :class:`~ds_muon.exchange.Exchange` objects;
+5. momentum on local pieces only (:mod:`~ds_muon.update`: weight decay, momentum,
+   Nesterov), then each wave's gather brings its matrices whole to their homes;
+6. NS at home, batched by shape, then the scatter sends results back;
+7. apply: each rank's pieces of the results, in place (:mod:`~ds_muon.update`).
 
-With ``overlap=True`` the exchange runs in waves; under FSDP2 a wave's momentum
-and gather may already have left during backward (:mod:`~ds_muon.dispatch`, its
-momentum committed here after step 1), and results may be applied by the next
-forward (:mod:`~ds_muon.overlap`).
+With ``overlap=True`` (:mod:`~ds_muon.overlap`) the exchange runs in waves; under
+FSDP2 a wave's momentum and gather may already have left during backward (its
+momentum committed after stage 1), and results may be applied by the next forward.
 
 How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
 as :class:`~ds_muon.layout.ParamBinding` objects; nothing here depends on the stack.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,20 +34,33 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
 from .agreement import Agreement, settings_of
-from .dispatch import BackwardDispatch, Wave, final_grad_params
+from .compile import NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .layout import Layout, ParamBinding, build_layout, global_shape, local_shard
 from .layout import is_flat_shard as _is_sharded_container  # the name _resolve uses
-from .newton_schulz import compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
-from .overlap import DeferredApply
+from .overlap import OverlapSettings, Wave, final_grad_params
 from .tagging import restore_tags
-from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
+from .planner import STRATEGIES, CostModel
 from .update import apply_coefficients, apply_result, ns_input
 
 MODES = ("sharded", "duplicated")
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
 NONFINITE = ("raise", "skip")
+
+
+class _Job(NamedTuple):
+    """One wave's exchange and what the step needs to run it."""
+
+    key: tuple  # the compiled exchanges it belongs to (see ds_muon.compile.exchange_key)
+    layout: Layout
+    exchange: Exchange
+    ns_of: Dict[Hashable, NSSettings]  # per stack of same-shape matrices at this rank
+
+
+def _params_of(layout: Layout, idx) -> Dict[int, torch.Tensor]:
+    """The parameters holding matrices ``idx`` of ``layout``, by id, in order."""
+    return {id(layout.local[i][0].param): layout.local[i][0].param for i in idx}
 
 
 class Muon(Optimizer):
@@ -93,12 +108,8 @@ class Muon(Optimizer):
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of {list(NONFINITE)}")
         if planner not in STRATEGIES:
             raise ValueError(f"planner={planner!r} is unknown; use one of {list(STRATEGIES)}")
-        if not isinstance(waves, int) or waves < 1:
-            raise ValueError(f"waves must be an integer >= 1, got {waves!r}")
+        self.overlap_settings = OverlapSettings(bool(overlap), waves, bool(dispatch_in_backward))
         self.mode = mode
-        self.overlap = bool(overlap)
-        self.waves = waves if overlap else 1
-        self.dispatch_in_backward = bool(dispatch_in_backward)
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.model = model
@@ -123,10 +134,8 @@ class Muon(Optimizer):
     def _reset_runtime(self) -> None:
         """Caches and hooks, all rebuilt lazily: bindings, layouts, compiled exchanges, and
         (``overlap=True`` with a model) the deferred-apply and backward-dispatch hooks."""
-        model = self.model
-        self._deferred = DeferredApply(model) if self.overlap and model is not None else None
-        self._dispatch = (BackwardDispatch(self._wave_inputs, self._hyper, self._land)
-                          if self.overlap and model is not None and self.dispatch_in_backward else None)
+        self._deferred, self._dispatch = self.overlap_settings.hooks(self.model, self._wave_inputs, self._hyper,
+                                                                     self._land)
         self._bindings: Dict[int, ParamBinding] = {}
         self._binding_sig: Optional[tuple] = None
         self._layouts: List[Layout] = []
@@ -135,8 +144,22 @@ class Muon(Optimizer):
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
 
+    # -- overlap settings (the keywords Muon takes), read-only ---------------------
+    @property
+    def overlap(self) -> bool:
+        return self.overlap_settings.enabled
+
+    @property
+    def waves(self) -> int:
+        """Waves per exchange (1 without overlap)."""
+        return self.overlap_settings.wave_count
+
+    @property
+    def dispatch_in_backward(self) -> bool:
+        return self.overlap_settings.dispatch_in_backward
+
     # -- copies, pickling and loading --------------------------------------------
-    _SETTINGS = ("mode", "overlap", "waves", "dispatch_in_backward", "nonfinite", "comm_dtype", "planner",
+    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips")
     _NOT_CARRIED = ("model", "process_group", "binder")
 
@@ -168,6 +191,9 @@ class Muon(Optimizer):
         super().__setstate__(state)
         if settings is not None:
             lost = settings.pop("_not_carried")
+            if "overlap" in settings:  # pickled before OverlapSettings
+                settings["overlap_settings"] = OverlapSettings(
+                    settings.pop("overlap"), settings.pop("waves"), settings.pop("dispatch_in_backward"))
             self.__dict__.update(settings)
             self.model = self.process_group = self.binder = None
             self._not_carried = tuple(sorted(set(lost) - {"model"}))
@@ -283,23 +309,24 @@ class Muon(Optimizer):
             check_settings(g, gi)
         if self._not_carried:
             self._check_not_carried()
-        self.flush()
+        self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
-        try:
-            active = self._check_gradients()
-        except BaseException:
-            self._drain_early()
-            raise
+        active = self._check()  # 1. which tensors step, agreed by every rank
         if active is None:
+            return loss
+        self._adamw_all(active)  # 2. AdamW on everything that is not a Muon matrix
+        work = self._active_matrices(active)  # 3. layouts: each one's matrices that step
+        if not work:
             self._drain_early()
             return loss
-        for g in self.param_groups:
-            if not g["use_muon"]:
-                self._adamw(g, [p for p in g["params"] if id(p) in active])
-            elif any(b.adam_ranges for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
-                self._adamw_ranges(g, [p for p in g["params"] if id(p) in active])
-        self._muon(active)
+        group_of = self._muon_groups()
+        jobs = self._plan(work, group_of)  # 4. compiled exchanges: homes, dtypes, waves
+        gathers = self._gather(jobs, group_of)  # 5. momentum on local pieces, gathers issued
+        scatters = self._orthogonalize(jobs, gathers)  # 6. NS at home, scatters issued
+        self._apply(jobs, scatters, group_of)  # 7. results applied (or deferred to forward)
+        if self._dispatch is not None and self._stack_allows_overlap():
+            self._arm(jobs)  # the next backward sends the gathers whose gradients are final
         return loss
 
     def _init_state(self) -> None:
@@ -352,7 +379,7 @@ class Muon(Optimizer):
             self.nonfinite_skips += 1
             warnings.warn(
                 f"ds_muon: skipped step: non-finite gradient in {name} "
-                f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=3)
+                f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=4)
             return None
         return verdict.active
 
@@ -405,27 +432,82 @@ class Muon(Optimizer):
             maximize=False,
         )
 
-    def _muon(self, active: set) -> None:
-        group_of = self._muon_groups()
-        work = []  # (layout, active matrix indices)
+    def _check(self) -> Optional[set]:
+        """Stage 1: the agreement (:meth:`_check_gradients`); early gathers are waited out
+        when the step raises or is skipped."""
+        try:
+            active = self._check_gradients()
+        except BaseException:
+            self._drain_early()
+            raise
+        if active is None:
+            self._drain_early()
+        return active
+
+    def _adamw_all(self, active: set) -> None:
+        """Stage 2: AdamW on ``use_muon=False`` groups and on the AdamW slices of mixed flat shards."""
+        for g in self.param_groups:
+            if not g["use_muon"]:
+                self._adamw(g, [p for p in g["params"] if id(p) in active])
+            elif any(b.adam_ranges for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
+                self._adamw_ranges(g, [p for p in g["params"] if id(p) in active])
+
+    def _active_matrices(self, active: set) -> List[Tuple[Layout, List[int]]]:
+        """Stage 3: each layout (one per process group) with the indices of its matrices that step."""
+        work = []
         for layout in self._layouts:
             todo = [i for i, (b, _) in enumerate(layout.local) if id(b.param) in active]
             if todo:
                 work.append((layout, todo))
-        if not work:
-            self._drain_early()
-            return
-        # every domain's (and wave's) exchange is issued before any is waited on
-        defer = self._deferred is not None and self.binder is None
-        for layout, ex, pending in self._orthogonalize_all(work, group_of):
-            apply = self._applier(layout, ex, pending, group_of)
+        return work
+
+    def _plan(self, work, group_of) -> List[_Job]:
+        """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.compile`),
+        planned on first use and cached while the layout and NS settings stay."""
+        jobs = []
+        for layout, todo in work:
+            key = exchange_key(layout, todo, self.param_groups)
+            if key not in self._exchanges:
+                self._exchanges[key] = compile_exchanges(
+                    layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
+                    comm_dtype=self.comm_dtype, waves=self.waves)
+            jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
+        return jobs
+
+    def _gather(self, jobs: List[_Job], group_of) -> list:
+        """Stage 5: every wave's gather issued (of every domain) before any is waited on; a wave's
+        momentum is computed just before its gather, so one wave's NS inputs live at a time.
+        Gathers a backward hook already issued are claimed (their momentum committed now)."""
+        early = self._dispatch.claim([j.exchange for j in jobs]) if self._dispatch is not None else {}
+        return [early[id(j.exchange)] if id(j.exchange) in early
+                else j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange, group_of=group_of)[0])
+                for j in jobs]
+
+    @staticmethod
+    def _orthogonalize(jobs: List[_Job], gathers: list) -> list:
+        """Stage 6: as each gather arrives, NS at home (batched by shape and settings), then its
+        scatter is issued.  Returns the pending scatters."""
+        scatters = []
+        for j, pending in zip(jobs, gathers):
+            stacks = j.exchange.gather_finish(pending)
+            scatters.append(j.exchange.scatter_start({key: j.ns_of[key].run(stack) for key, stack in stacks.items()}))
+        return scatters
+
+    def _apply(self, jobs: List[_Job], scatters: list, group_of) -> None:
+        """Stage 7: each wave's results applied in place, now or (overlap) by the next forward."""
+        defer = self._deferred is not None and self._stack_allows_overlap()
+        for j, pending in zip(jobs, scatters):
+            apply = self._applier(j.layout, j.exchange, pending, group_of)
             if defer:
-                params = list({id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}.values())
-                self._deferred.add([id(q) for q in params], apply, params)
+                params = _params_of(j.layout, j.exchange.active)
+                self._deferred.add(list(params), apply, list(params.values()))
             else:
                 apply()
-        if self._dispatch is not None and self.binder is None:
-            self._arm(work)
+
+    def _stack_allows_overlap(self) -> bool:
+        """May results be applied by the next forward and gathers leave from backward?
+        Not under DeepSpeed, whose engine steps and reads parameters on its own schedule."""
+        return self.binder is None
 
     def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True, group_of=None):
         """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov.
@@ -461,22 +543,16 @@ class Muon(Optimizer):
         # a tensor no longer in a Muon group reads as None: the early dispatch is stale, not an error
         return tuple(tuple(group_of[i][k] for k in keys) if i in group_of else None for i in sorted(param_ids))
 
-    def _arm(self, work) -> None:
+    def _arm(self, jobs: List[_Job]) -> None:
         """Hook the waves of this step's exchanges whose gradients are final in backward:
         FSDP2 parameters, and any parameter in a single process."""
         if self._final_grads is None or self._final_grads[0] != self._binding_sig:
             self._final_grads = (self._binding_sig, final_grad_params(self.model))
         final = self._final_grads[1]
-        single = self._step_group()[1] == 1
-        waves = []
-        for layout, todo in work:
-            key = self._exchange_key(layout, todo)
-            params = {id(layout.local[i][0].param): layout.local[i][0].param for i in todo}
-            if not single and not all(pid in final for pid in params):
-                continue
-            for ex, _ in self._exchanges[key]:
-                ps = {id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}
-                waves.append(Wave(key, layout, ex, ps))
+        waves = [Wave(j.key, j.layout, j.exchange, _params_of(j.layout, j.exchange.active)) for j in jobs]
+        if self._step_group()[1] > 1:  # a layout's waves are hooked only if all its gradients are final
+            partial = {w.key for w in waves if not all(pid in final for pid in w.params)}
+            waves = [w for w in waves if w.key not in partial]
         self._dispatch.arm(waves)
 
     def _land(self, param_ids: set) -> None:
@@ -509,31 +585,6 @@ class Muon(Optimizer):
 
         return apply
 
-    def _orthogonalize_all(self, work, group_of) -> List[tuple]:
-        """Exchange in, NS at home (batched by shape and settings), exchange out, for every
-        layout (domain) and wave at once: all gathers are issued before the first wait, NS
-        runs as each arrives, then its scatter is issued.  Returns ``(layout, exchange,
-        pending scatter)`` per exchange; the caller finishes and applies them."""
-        jobs = []  # (layout, exchange, ns settings)
-        for layout, todo in work:
-            key = self._exchange_key(layout, todo)
-            if key not in self._exchanges:
-                self._exchanges[key] = self._compile(layout, todo, group_of)
-            jobs.extend((layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
-        # gathers a backward hook already issued (momentum committed now), then the rest
-        early = self._dispatch.claim([ex for _, ex, _ in jobs]) if self._dispatch is not None else {}
-        pending = [early[id(ex)] if id(ex) in early else ex.gather_start(self._wave_inputs(layout, ex, group_of=group_of)[0])
-                   for layout, ex, _ in jobs]
-        out = []
-        for (layout, ex, ns_of), p in zip(jobs, pending):
-            stacks = ex.gather_finish(p)
-            res = {}
-            for skey, stack in stacks.items():
-                steps, coeffs, dtype, eps, method = ns_of[skey]
-                res[skey] = newton_schulz(stack, steps, coeffs, dtype, eps, method).contiguous()
-            out.append((layout, ex, ex.scatter_start(res)))
-        return out
-
     def flush(self) -> None:
         """Apply every update still waiting for a forward (``overlap=True``); a no-op otherwise."""
         if getattr(self, "_deferred", None) is not None:
@@ -552,76 +603,10 @@ class Muon(Optimizer):
         self._drain_early()  # their momentum was computed from the state being replaced
         super().load_state_dict(state_dict)
 
-    def _exchange_key(self, layout: Layout, todo: List[int]) -> tuple:
-        """What a compiled exchange depends on: the layout, its active matrices, and the NS
-        settings of every Muon group (they pick dtypes and stacks, and may change between steps)."""
-        ns = tuple((g["ns_steps"], repr(g["ns_coefficients"]), str(g["ns_dtype"]), g["eps"], g["ns_method"])
-                   for g in self.param_groups if g["use_muon"])
-        return id(layout), tuple(todo), ns
-
-    def _compile(self, layout: Layout, todo: List[int], group_of):
-        """Plan homes and build one Exchange per (gather, scatter) dtype pair."""
-        by_dtypes: Dict[tuple, List[int]] = {}
-        stack_key: Dict[int, Hashable] = {}
-        ns_of: Dict[Hashable, tuple] = {}
-        device = None
-        for i in todo:
-            b, _ = layout.local[i]
-            g = group_of[id(b.param)]
-            info = layout.matrices[i]
-            ns_dtype = compute_dtype(g["ns_method"], as_dtype(g["ns_dtype"], "ns_dtype"))  # stored by name
-            mom_dtype = b.flat(b.param).dtype
-            device = b.flat(b.param).device
-            if self.comm_dtype is not None:
-                dts = (self.comm_dtype, self.comm_dtype)
-            else:  # lossless: NS casts its input to this dtype first anyway
-                first = input_dtype(ns_dtype)
-                dts = (first if first.itemsize <= mom_dtype.itemsize else mom_dtype, ns_dtype)
-            by_dtypes.setdefault(dts, []).append(i)
-            coeffs, _ = resolve_coefficients(g["ns_coefficients"], g["ns_steps"])
-            skey = (info.rows, info.cols, g["ns_steps"], coeffs, ns_dtype, g["eps"], g["ns_method"])
-            stack_key[i] = skey
-            ns_of[skey] = (g["ns_steps"], g["ns_coefficients"], ns_dtype, g["eps"], g["ns_method"])
-        compiled = []
-        for (gdt, sdt), idx in by_dtypes.items():
-            if self.mode == "duplicated":
-                homes = {i: tuple(range(layout.world_size)) for i in idx}
-            else:
-                tasks = [
-                    MatrixTask(layout.matrices[i].rows, layout.matrices[i].cols,
-                               group_of[id(layout.local[i][0].param)]["ns_steps"], gdt.itemsize,
-                               tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)),
-                               group_of[id(layout.local[i][0].param)]["ns_method"])
-                    for i in idx
-                ]
-                plan = plan_homes(tasks, layout.world_size, self.planner, self.cost_model)
-                homes = {i: (h,) for i, h in zip(idx, plan.homes)}
-            for wave in _split_waves(idx, layout, self.waves):
-                compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device), ns_of))
-        return compiled
-
     # -- introspection --------------------------------------------------------
     def exchanges(self) -> List[Exchange]:
         """The compiled exchanges (for reports and tests)."""
         return [ex for lst in self._exchanges.values() for ex, _ in lst]
-
-
-def _split_waves(idx: List[int], layout: Layout, waves: int) -> List[List[int]]:
-    """Contiguous runs of the matrices in model order with about equal NS work each, so
-    early waves hold the parameters the next forward needs first."""
-    if waves <= 1 or len(idx) <= 1:
-        return [list(idx)]
-    cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, 5) for i in idx]
-    total, out, cur, acc = sum(cost), [], [], 0.0
-    for i, c in zip(idx, cost):
-        cur.append(i)
-        acc += c
-        if acc >= total * (len(out) + 1) / waves and len(out) < waves - 1:
-            out.append(cur)
-            cur = []
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _unbound_message(name: str, p: torch.Tensor) -> str:

@@ -1,7 +1,8 @@
-"""Fingerprints that ride in the step's one agreement all_reduce.
+"""The step's check, before anything changes: :class:`Agreement`, one small all_reduce.
 
-The step already all-reduces a small int64 table (a row per tensor: has a
-gradient, has none, non-finite).  Two more checks need no collective of their own:
+The step all-reduces a small int64 table (a row per tensor: has a gradient, has
+none, non-finite), so every rank raises, skips or steps alike.  Two more checks
+ride in it and need no collective of their own:
 
 * **replicas stay replicas** — a tensor every rank holds whole (no wrapper, DDP,
   DeepSpeed stage 0) must get the same gradient on every rank; a model that was
@@ -18,9 +19,13 @@ Cauchy–Schwarz), in exact integer arithmetic for up to 2¹⁵ ranks.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+import torch.distributed as dist
+
+from .layout import is_flat_shard
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
 
@@ -91,3 +96,225 @@ def first_difference(everyone: List[Dict[str, Any]]) -> str:
         if any(v != values[0] for v in values[1:]):
             return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
     return "the settings hash differs, but no single setting does (a hash collision)"
+
+
+@dataclass
+class Verdict:
+    """What every rank agreed: the tensors that step, and those with a non-finite gradient somewhere."""
+
+    active: Set[int]  # ids of the tensors with a gradient
+    nonfinite: List[str]  # names of the tensors whose gradient is NaN or ±inf on some rank
+
+
+class Agreement:
+    """The step's check, before anything changes: one small all_reduce of a table with a
+    row per tensor (gradient present or not, finite or not, replica fingerprints), one
+    row "an early dispatch is stale" and one row of settings fingerprints.
+
+    Raises on the first problem, the same error on every rank (the flags are summed over
+    ranks, not local).  Caches, per set of tensors, where each tensor's row goes, and
+    the group of the DTensors' mesh; :meth:`clear` forgets both (after re-sharding).
+    """
+
+    def __init__(self):
+        self._rows: Dict[tuple, tuple] = {}  # per set of tensors: rows of the all_reduce
+        self._mesh: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self._mesh = None
+
+    def group(self, process_group, param_groups, signature) -> Tuple[Optional[dist.ProcessGroup], int]:
+        """The group every rank of the optimizer runs the step's collectives in, and its size:
+        ``process_group``, else the ranks of the FSDP2 mesh the parameters live on (a sub-mesh
+        need not be the world).  ``signature`` identifies the tensors (the mesh is cached)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1
+        group = process_group
+        if group is None:
+            if self._mesh is None or self._mesh[0] != signature:
+                self._mesh = (signature, _mesh_group(param_groups))
+            group = self._mesh[1]
+        return group, dist.get_world_size(group)
+
+    def check(self, items, name: Callable[[int, int], str], flat: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              group, world: int, settings: Optional[Dict[str, Any]], early=None) -> Verdict:
+        """Agree on ``items`` (``(group index, tensor index, tensor)``) with every rank.
+
+        ``name(gi, pi)`` names a tensor for errors; ``flat(p, t)`` is this rank's flat
+        local data of ``p``'s tensor ``t``; ``settings`` (when ``world > 1``) are this
+        rank's :func:`settings_of`.  ``early`` (the backward dispatch, or None) answers
+        ``stale(minmax)`` locally; when any rank finds it stale, every rank calls its ``redo()``.
+        """
+        rows, nrows, names = self._rows_for(items, name, group, world)
+        flags = [[0] * COLUMNS for _ in range(nrows)]
+        checks = []  # (row, (min, max), is a replica)
+        minmax = {}
+        for k, (gi, pi, p) in enumerate(items):
+            k = rows[k]
+            g = p.grad
+            if g is None:
+                # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
+                flags[k][NO_GRAD] = int(flat(p, p).numel() > 0)
+                continue
+            if g.is_sparse:
+                raise ValueError(f"ds_muon: {name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
+            flags[k][HAS_GRAD] = 1
+            lg = flat(p, g)
+            if lg.numel():
+                # min and max in one pass: NaN and ±inf both show up in them
+                minmax[id(p)] = torch.stack(torch.aminmax(lg))
+                checks.append((k, minmax[id(p)], world > 1 and _is_replica(p)))
+        if checks:
+            mm = torch.stack([c for _, c, _ in checks])
+            ok = torch.isfinite(mm).all(dim=1).to(torch.int64)
+            host = torch.stack([ok, minmax_hash(mm)]) if world > 1 else ok.expand(2, -1)
+            ok, fp = host.cpu().tolist()  # one device-to-host copy
+            for (k, _, replica), good, h in zip(checks, ok, fp):
+                flags[k][NONFINITE] = int(not good)
+                if replica:  # its gradient must be the same on every rank
+                    flags[k][N_HASHED:] = hashed_row(h)[N_HASHED:]
+        # one more row: "a wave dispatched from backward read something that changed since"
+        stale = [0] * COLUMNS
+        stale[0] = int(early is not None and early.stale(minmax))
+        flags.append(stale)
+        if world > 1:
+            flags.append(hashed_row(settings_hash(settings)))  # and one: every rank's settings, hashed
+            total = torch.tensor(flags, dtype=torch.int64, device=_comm_device(group))
+            dist.all_reduce(total, group=group)
+            flags = total.cpu().tolist()
+            if hashes_differ(flags[nrows + 1]):
+                everyone = [None] * world
+                dist.all_gather_object(everyone, settings, group=group)
+                raise ValueError(
+                    f"ds_muon: optimizer settings differ between ranks: {first_difference(everyone)}; "
+                    "every rank must build Muon with the same arguments and param groups, and change them alike")
+        if flags[nrows][0]:  # on every rank alike: wait out the early gathers, redo them at step()
+            early.redo()
+        for k in range(nrows):
+            if flags[k][0] and flags[k][1]:
+                raise RuntimeError(
+                    f"ds_muon: {names[k]} has a gradient on {flags[k][0]} rank(s) and none on "
+                    f"{flags[k][1]}; every rank must produce the same set of gradients (unused parameters "
+                    "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
+                )
+        drift = [k for k in range(nrows) if hashes_differ(flags[k]) and not flags[k][NONFINITE]]
+        if drift:
+            raise RuntimeError(
+                f"ds_muon: {names[drift[0]]} (and {len(drift) - 1} more) is replicated (every rank holds all of it) "
+                "but its gradient differs between ranks, so the ranks would train different models: gradients are "
+                "not being averaged. Wrap the model in DDP (or FSDP / DeepSpeed) before training; with "
+                "transformers' Trainer do not call trainer.evaluate() before trainer.train() (it then never wraps "
+                "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
+        return Verdict({id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k]][0]},
+                       [names[k] for k in range(nrows) if flags[k][NONFINITE]])
+
+    def _rows_for(self, items, name, group, world) -> Tuple[List[int], int, List[str]]:
+        """Where each tensor's flags go in the one all_reduce of :meth:`check`.
+
+        Tensors without a :func:`~ds_muon.domain` tag (or whose domain is the whole
+        agreement group) are the same tensors on every rank: one row each, in order.
+        Tensors of a smaller domain (expert data parallelism) differ between domains,
+        so each domain gets its own block of rows, written only by its members: the
+        sums then count agreement within the domain, and every rank still sees every
+        problem (and raises or skips alike).  The block layout is agreed once per set
+        of tensors (one all_gather_object); returns (row of each item, rows, row names).
+        """
+        key = tuple(id(p) for _, _, p in items)
+        cached = self._rows.get(key)
+        if cached is not None:
+            return cached
+        names = [name(gi, pi) for gi, pi, _ in items]
+        if world == 1:
+            out = (list(range(len(items))), len(items), names)
+            self._rows[key] = out
+            return out
+        from .tags import domain_of
+
+        here = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        common: List[int] = []
+        mine: Dict[tuple, List[int]] = {}
+        for k, (_, _, p) in enumerate(items):
+            d = domain_of(p)
+            ranks = None if d is None else tuple(sorted(dist.get_process_group_ranks(d)))
+            if ranks is None or ranks == tuple(sorted(here)):
+                common.append(k)
+            else:
+                if not set(ranks) <= set(here):
+                    raise ValueError(
+                        f"ds_muon: {names[k]} is tagged with a domain of ranks {list(ranks)}, not all of which are in "
+                        f"the optimizer's process_group (ranks {sorted(here)})")
+                mine.setdefault(ranks, []).append(k)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (len(common), {r: [names[k] for k in ks] for r, ks in mine.items()}),
+                               group=group)
+        if len({n for n, _ in everyone}) > 1:
+            raise ValueError(
+                "ds_muon: ranks list different numbers of tensors outside expert domains "
+                f"({[n for n, _ in everyone]} by rank); every rank must build the optimizer over the same model")
+        blocks: Dict[tuple, List[str]] = {}
+        for r, (_, doms) in enumerate(everyone):
+            for ranks, dnames in doms.items():
+                if here[r] not in ranks:
+                    raise ValueError(f"ds_muon: rank {here[r]} tags {dnames[0]} with a domain it is not in {list(ranks)}")
+                if ranks in blocks and len(blocks[ranks]) != len(dnames):
+                    raise ValueError(
+                        f"ds_muon: the ranks of domain {list(ranks)} list different numbers of tensors in it "
+                        f"({len(blocks[ranks])} and {len(dnames)}, e.g. {dnames[0]}); replicas of an expert must "
+                        "hold the same tensors")
+                blocks.setdefault(ranks, dnames)
+        rows = [0] * len(items)
+        for j, k in enumerate(common):
+            rows[k] = j
+        row_names = [names[k] for k in common]
+        for ranks in sorted(blocks):
+            for j, k in enumerate(mine.get(ranks, [])):
+                rows[k] = len(row_names) + j
+            row_names.extend(f"{n} (domain of ranks {list(ranks)})" for n in blocks[ranks])
+        out = (rows, len(row_names), row_names)
+        self._rows[key] = out
+        return out
+
+
+def _is_replica(p: torch.Tensor) -> bool:
+    """Does every rank of the agreement group hold all of ``p`` (no wrapper, DDP, DeepSpeed stage 0)?
+
+    Shards (DTensors, FSDP1 flat parameters and views, ZeRO partitions) and
+    tensor-parallel pieces differ between ranks by design."""
+    from .tags import TENSOR_PARALLEL
+
+    return not (is_flat_shard(p) or hasattr(p, "placements")
+                or getattr(p, TENSOR_PARALLEL, None) is not None)
+
+
+def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
+    """With ``process_group=None``: the group spanning the device mesh of the DTensor parameters, None
+    (the world) when they span the world or there are none.  Raises when it cannot be named here."""
+    meshes = {}
+    for g in param_groups:
+        for p in g["params"]:
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                meshes.setdefault(tuple(mesh.mesh.flatten().tolist()), mesh)
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ValueError(
+            f"ds_muon: the DTensor parameters live on {len(meshes)} device meshes with different ranks "
+            f"({sorted(meshes)[:2]} ...); pass Muon(..., process_group=) the group spanning all of them")
+    ranks, mesh = next(iter(meshes.items()))
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return None
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    raise ValueError(
+        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)}, not the "
+        "whole world; pass Muon(..., process_group=) a process group spanning exactly those ranks (one that every "
+        "rank of the mesh created with torch.distributed.new_group)")
+
+
+def _comm_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -110,14 +110,11 @@ class Exchange:
                                + sum(self.split_recv_s) * scatter_dtype.itemsize)
 
     # -- gather ---------------------------------------------------------------
-    def gather(self, local: Dict[int, torch.Tensor]) -> Dict[Hashable, torch.Tensor]:
-        """``local[i]``: this rank's piece of matrix i, flat.  Returns the home stacks
-        ``{key: [k, rows, cols]}`` filled with the full matrices."""
-        return self.gather_finish(self.gather_start(local))
-
     def gather_start(self, local: Dict[int, torch.Tensor]):
-        """Pack and issue the gather all_to_all without waiting (other domains' exchanges
-        can be issued meanwhile); :meth:`gather_finish` waits and unpacks."""
+        """``local[i]``: this rank's piece of matrix i, flat.  Pack and issue the gather
+        all_to_all without waiting (other domains' exchanges can be issued meanwhile);
+        :meth:`gather_finish` waits and returns the home stacks ``{key: [k, rows, cols]}``
+        filled with the full matrices."""
         stacks = self._buffer("stacks", lambda: {
             key: torch.empty((len(idx), self.layout.matrices[idx[0]].rows, self.layout.matrices[idx[0]].cols),
                              dtype=self.gather_dtype, device=self.device)
@@ -148,13 +145,10 @@ class Exchange:
         return stacks
 
     # -- scatter --------------------------------------------------------------
-    def scatter(self, results: Dict[Hashable, torch.Tensor]) -> Dict[int, torch.Tensor]:
-        """``results``: the home stacks after NS (contiguous).  Returns, for each matrix
-        this rank holds a piece of, that piece of the result as ``[rows, length]``."""
-        return self.scatter_finish(self.scatter_start(results))
-
     def scatter_start(self, results: Dict[Hashable, torch.Tensor]):
-        """Pack and issue the scatter all_to_all without waiting; :meth:`scatter_finish` waits."""
+        """``results``: the home stacks after NS (contiguous).  Pack and issue the scatter
+        all_to_all without waiting; :meth:`scatter_finish` waits and returns, for each matrix
+        this rank holds a piece of, that piece of the result as ``[rows, length]``."""
         out: Dict[int, torch.Tensor] = {}
         mine = self.layout.matrices
         for i in self.active:

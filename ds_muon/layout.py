@@ -244,3 +244,15 @@ def slots_in_range(tensors: Sequence[Tuple[str, Tuple[int, ...], int]], lo: int,
         else:
             slots.append(MatrixSlot(key, tuple(shape), None, 0))
     return slots
+
+
+def is_flat_shard(p: torch.Tensor) -> bool:
+    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions).
+    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`global_shape`)."""
+    return (hasattr(p, "_fqns") or getattr(p, "_ds_muon_flat", False)
+            or getattr(p, "_fsdp_flattened", False))  # FSDP1 use_orig_params=True: 1-D views
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (no collective); any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t

@@ -1,20 +1,22 @@
 """``Muon``: a torch.optim.Optimizer that orthogonalizes each weight matrix once, at one home rank.
 
-The step's order (every stack goes through the same path):
+The step's stages, in :meth:`Muon.step`'s order (every stack goes through the same path):
 
-1. check, before anything changes: gradient presence agrees across ranks and
-   every gradient is finite (one small all_reduce when distributed);
+1. check (:mod:`~ds_muon.agreement`), before anything changes: gradient presence
+   agrees across ranks and every gradient is finite (one small all_reduce);
 2. AdamW, through torch's own functional AdamW, on tensors of ``use_muon=False``
    groups (and on the non-matrix slices of mixed flat shards);
-3. Muon, on local pieces only: weight decay, momentum, Nesterov;
-4. the :mod:`~ds_muon.exchange` brings every matrix whole to its home
-   (:mod:`~ds_muon.planner`), NS runs there batched by shape, results go back;
-5. each rank applies its pieces of the results in place.
+3. layouts: which matrices of each layout (one per process group) step;
+4. plan (:mod:`~ds_muon.compile`): homes (:mod:`~ds_muon.planner`), wire dtypes and
+   waves, compiled once into :class:`~ds_muon.exchange.Exchange` objects;
+5. momentum on local pieces only (:mod:`~ds_muon.update`: weight decay, momentum,
+   Nesterov), then each wave's gather brings its matrices whole to their homes;
+6. NS at home, batched by shape, then the scatter sends results back;
+7. apply: each rank's pieces of the results, in place (:mod:`~ds_muon.update`).
 
-With ``overlap=True`` the exchange runs in waves; under FSDP2 a wave's momentum
-and gather may already have left during backward (:mod:`~ds_muon.dispatch`, its
-momentum committed here after step 1), and results may be applied by the next
-forward (:mod:`~ds_muon.overlap`).
+With ``overlap=True`` (:mod:`~ds_muon.overlap`) the exchange runs in waves; under
+FSDP2 a wave's momentum and gather may already have left during backward (its
+momentum committed after stage 1), and results may be applied by the next forward.
 
 How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
 as :class:`~ds_muon.layout.ParamBinding` objects; nothing here depends on the stack.
@@ -24,53 +26,42 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from . import agreement
-from .dispatch import BackwardDispatch, Wave, final_grad_params
+from .agreement import Agreement, settings_of
+from .compile import NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
+from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
-from .layout import Layout, ParamBinding, build_layout, global_shape
-from .newton_schulz import NS_METHODS, compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
-from .overlap import DeferredApply
-from .tagging import restore_tags
-from .planner import STRATEGIES, CostModel, MatrixTask, plan_homes
-from .scaling import check_scale_mode, get_muon_scale_factor
+from .layout import Layout, ParamBinding, build_layout, local_shard
+from .overlap import OverlapSettings, Wave
+from .tags import restore_tags
+from .planner import STRATEGIES, CostModel
+from .update import apply_coefficients, apply_result, ns_input
 
 MODES = ("sharded", "duplicated")
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
-WEIGHT_DECAY_MODES = ("decoupled", "l2")
 NONFINITE = ("raise", "skip")
 
 
-def _dtype(value, name: str) -> torch.dtype:
-    """A floating-point torch dtype from a dtype or its name ('bfloat16', 'torch.float32')."""
-    d = value
-    if isinstance(value, str):
-        d = getattr(torch, value.replace("torch.", ""), None)
-    if isinstance(d, torch.dtype) and d.is_floating_point and not d.is_complex:
-        return d
-    raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32')")
+class _Job(NamedTuple):
+    """One wave's exchange and what the step needs to run it."""
+
+    key: tuple  # the compiled exchanges it belongs to (see ds_muon.compile.exchange_key)
+    layout: Layout
+    exchange: Exchange
+    ns_of: Dict[Hashable, NSSettings]  # per stack of same-shape matrices at this rank
 
 
-_DTYPE_NAMES: Dict[object, str] = {}  # accepted dtypes and names -> name (the per-step check is a dict hit)
-
-
-def _dtype_name(value, name: str) -> str:
-    """The name param_groups store (``'bfloat16'``): checkpoint tools (DCP's full and
-    cpu-offloaded state dicts) walk param_groups and refuse a ``torch.dtype`` value."""
-    try:
-        return _DTYPE_NAMES[value]
-    except (KeyError, TypeError):
-        out = str(_dtype(value, name)).replace("torch.", "")
-        _DTYPE_NAMES[value] = out
-        return out
+def _params_of(layout: Layout, idx) -> Dict[int, torch.Tensor]:
+    """The parameters holding matrices ``idx`` of ``layout``, by id, in order."""
+    return {id(layout.local[i][0].param): layout.local[i][0].param for i in idx}
 
 
 class Muon(Optimizer):
@@ -122,18 +113,14 @@ class Muon(Optimizer):
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of {list(NONFINITE)}")
         if planner not in STRATEGIES:
             raise ValueError(f"planner={planner!r} is unknown; use one of {list(STRATEGIES)}")
-        if not isinstance(waves, int) or waves < 1:
-            raise ValueError(f"waves must be an integer >= 1, got {waves!r}")
+        self.overlap_settings = OverlapSettings(bool(overlap), waves, bool(dispatch_in_backward))
         self.mode = mode
-        self.overlap = bool(overlap)
-        self.waves = waves if overlap else 1
-        self.dispatch_in_backward = bool(dispatch_in_backward)
         self.nonfinite = nonfinite
         self.adapter: StackAdapter = adapter if adapter is not None else default_adapter()
         self._adapter_chosen = adapter is not None  # a chosen adapter is not carried by copies
         self.process_group = process_group if process_group is not None else self.adapter.data_parallel_group
         self.model = model
-        self.comm_dtype = None if comm_dtype is None else _dtype(comm_dtype, "comm_dtype")
+        self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
         self.cost_model = cost_model or CostModel()
         self.adam_betas = tuple(adam_betas)
@@ -145,7 +132,7 @@ class Muon(Optimizer):
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
             ns_method=ns_method,
-            ns_dtype=_dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
+            ns_dtype=dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor, use_muon=True,
         )
         super().__init__(params, defaults)
@@ -153,21 +140,32 @@ class Muon(Optimizer):
     def _reset_runtime(self) -> None:
         """Caches and hooks, all rebuilt lazily: bindings, layouts, compiled exchanges, and
         (``overlap=True`` with a model) the deferred-apply and backward-dispatch hooks."""
-        model = self.model
-        self._deferred = DeferredApply(model) if self.overlap and model is not None else None
-        self._dispatch = (BackwardDispatch(self._wave_inputs, self._hyper, self._land)
-                          if self.overlap and model is not None and self.dispatch_in_backward else None)
+        self._deferred, self._dispatch = self.overlap_settings.hooks(self.model, self._wave_inputs, self._hyper,
+                                                                     self._land)
         self._bindings: Dict[int, ParamBinding] = {}
         self._binding_sig: Optional[tuple] = None
         self._layouts: List[Layout] = []
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
-        self._agreement: Dict[tuple, tuple] = {}  # per set of tensors: rows of the agreement all_reduce
+        self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
-        self._mesh_group: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
+
+    # -- overlap settings (the keywords Muon takes), read-only ---------------------
+    @property
+    def overlap(self) -> bool:
+        return self.overlap_settings.enabled
+
+    @property
+    def waves(self) -> int:
+        """Waves per exchange (1 without overlap)."""
+        return self.overlap_settings.wave_count
+
+    @property
+    def dispatch_in_backward(self) -> bool:
+        return self.overlap_settings.dispatch_in_backward
 
     # -- copies, pickling and loading --------------------------------------------
-    _SETTINGS = ("mode", "overlap", "waves", "dispatch_in_backward", "nonfinite", "comm_dtype", "planner",
+    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips")
     _NOT_CARRIED = ("model", "process_group")
 
@@ -200,6 +198,9 @@ class Muon(Optimizer):
         super().__setstate__(state)
         if settings is not None:
             lost = settings.pop("_not_carried")
+            if "overlap" in settings:  # pickled before OverlapSettings
+                settings["overlap_settings"] = OverlapSettings(
+                    settings.pop("overlap"), settings.pop("waves"), settings.pop("dispatch_in_backward"))
             self.__dict__.update(settings)
             self.model = self.process_group = None
             self.adapter, self._adapter_chosen = default_adapter(), False
@@ -212,8 +213,8 @@ class Muon(Optimizer):
         missing group keys from the defaults, dtypes by name, and an AdamW ``step``
         stored as a plain number as a float32 tensor."""
         for group in self.param_groups:
-            _fill_group_defaults(group, self.defaults, self.adam_betas, self.adam_eps)
-            group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
+            fill_group_defaults(group, self.defaults, self.adam_betas, self.adam_eps)
+            group["ns_dtype"] = dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
@@ -238,7 +239,7 @@ class Muon(Optimizer):
             param_group.setdefault("eps", self.adam_eps)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _validate_group(group, len(self.param_groups) - 1)
+        validate_group(group, len(self.param_groups) - 1)
         if hasattr(self, "_resolved"):
             self.invalidate_layouts()
 
@@ -300,7 +301,6 @@ class Muon(Optimizer):
         self._exchanges.clear()
         self._agreement.clear()
         self._final_grads = None
-        self._mesh_group = None
         self._binding_sig = None
         if getattr(self, "_deferred", None) is not None:
             self._deferred.reset_owners()
@@ -322,26 +322,27 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for gi, g in enumerate(self.param_groups):
-            _check_settings(g, gi)
+            check_settings(g, gi)
         if self._not_carried:
             self._check_not_carried()
-        self.flush()
+        self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
-        try:
-            active = self._check_gradients()
-        except BaseException:
-            self._drain_early()
-            raise
+        active = self._check()  # 1. which tensors step, agreed by every rank
         if active is None:
+            return loss
+        self._adamw_all(active)  # 2. AdamW on everything that is not a Muon matrix
+        work = self._active_matrices(active)  # 3. layouts: each one's matrices that step
+        if not work:
             self._drain_early()
             return loss
-        for g in self.param_groups:
-            if not g["use_muon"]:
-                self._adamw(g, [p for p in g["params"] if id(p) in active])
-            elif any(b.adam_ranges for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
-                self._adamw_ranges(g, [p for p in g["params"] if id(p) in active])
-        self._muon(active)
+        group_of = self._muon_groups()
+        jobs = self._plan(work, group_of)  # 4. compiled exchanges: homes, dtypes, waves
+        gathers = self._gather(jobs, group_of)  # 5. momentum on local pieces, gathers issued
+        scatters = self._orthogonalize(jobs, gathers)  # 6. NS at home, scatters issued
+        self._apply(jobs, scatters, group_of)  # 7. results applied (or deferred to forward)
+        if self._dispatch is not None and self._stack_allows_overlap():
+            self._arm(jobs)  # the next backward sends the gathers whose gradients are final
         return loss
 
     def _init_state(self) -> None:
@@ -368,179 +369,35 @@ class Muon(Optimizer):
                     if _fsdp1_view(p):
                         st["momentum_buffer"] = _placeholder_like(p)
 
-    def _agreement_group(self):
-        """The group every rank of this optimizer runs the step's collectives in: ``process_group``,
-        else the ranks of the FSDP2 mesh the parameters live on (a sub-mesh need not be the world)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1
-        group = self.process_group
-        if group is None:
-            if self._mesh_group is None or self._mesh_group[0] != self._binding_sig:
-                self._mesh_group = (self._binding_sig, _mesh_group(self.param_groups))
-            group = self._mesh_group[1]
-        return group, dist.get_world_size(group)
+    def _step_group(self):
+        """The group the step's collectives run in, and its size (see :meth:`Agreement.group`)."""
+        return self._agreement.group(self.process_group, self.param_groups, self._binding_sig)
 
-    def _local_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+    def _flat(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """This rank's flat local data of ``t``: ``p`` itself, its gradient or a state tensor."""
         b = self._bindings.get(id(p))
-        g = p.grad
-        if g is None:
-            return None
-        return b.flat(g) if b is not None else _local(g)
-
-    def _local_numel(self, p: torch.Tensor) -> int:
-        b = self._bindings.get(id(p))
-        return b.flat(p).numel() if b is not None else _local(p).numel()
+        return b.flat(t) if b is not None else local_shard(t)
 
     def _check_gradients(self) -> Optional[set]:
-        """Which tensors step, agreed by every rank before anything changes.
-
-        Returns None when the step is skipped.  Raises on the first problem, the
-        same error on every rank (the flags are all-reduced, not local).
-        """
+        """Which tensors step, agreed by every rank before anything changes
+        (:class:`~ds_muon.agreement.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
-        group, world = self._agreement_group()
-        rows, nrows, names = self._agreement_rows(items, group, world)
-        flags = [[0] * agreement.COLUMNS for _ in range(nrows)]  # see ds_muon.agreement
-        checks = []  # (row, (min, max), is a replica)
-        minmax = {}
-        for k, (gi, pi, p) in enumerate(items):
-            k = rows[k]
-            g = p.grad
-            if g is None:
-                # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
-                flags[k][agreement.NO_GRAD] = int(self._local_numel(p) > 0)
-                continue
-            if g.is_sparse:
-                raise ValueError(f"ds_muon: {self._name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
-            flags[k][agreement.HAS_GRAD] = 1
-            lg = self._local_grad(p)
-            if lg.numel():
-                # min and max in one pass: NaN and ±inf both show up in them
-                minmax[id(p)] = torch.stack(torch.aminmax(lg))
-                checks.append((k, minmax[id(p)], world > 1 and _is_replica(p)))
-        if checks:
-            mm = torch.stack([c for _, c, _ in checks])
-            ok = torch.isfinite(mm).all(dim=1).to(torch.int64)
-            host = torch.stack([ok, agreement.minmax_hash(mm)]) if world > 1 else ok.expand(2, -1)
-            ok, fp = host.cpu().tolist()  # one device-to-host copy
-            for (k, _, replica), good, h in zip(checks, ok, fp):
-                flags[k][agreement.NONFINITE] = int(not good)
-                if replica:  # its gradient must be the same on every rank
-                    flags[k][agreement.N_HASHED:] = agreement.hashed_row(h)[agreement.N_HASHED:]
-        # one more row: "a wave dispatched from backward read something that changed since"
-        stale = [0] * agreement.COLUMNS
-        stale[0] = int(self._dispatch is not None and self._dispatch.stale(minmax))
-        flags.append(stale)
-        if world > 1:
-            settings = agreement.settings_of(self)  # and one: every rank's settings, hashed
-            flags.append(agreement.hashed_row(agreement.settings_hash(settings)))
-            total = torch.tensor(flags, dtype=torch.int64, device=_comm_device(group))
-            dist.all_reduce(total, group=group)
-            flags = total.cpu().tolist()
-            if agreement.hashes_differ(flags[nrows + 1]):
-                everyone = [None] * world
-                dist.all_gather_object(everyone, settings, group=group)
-                raise ValueError(
-                    f"ds_muon: optimizer settings differ between ranks: {agreement.first_difference(everyone)}; "
-                    "every rank must build Muon with the same arguments and param groups, and change them alike")
-        if flags[nrows][0]:  # on every rank alike: wait out the early gathers, redo them below
-            self._dispatch.redone += 1
-            self._drain_early()
-        for k in range(nrows):
-            if flags[k][0] and flags[k][1]:
-                raise RuntimeError(
-                    f"ds_muon: {names[k]} has a gradient on {flags[k][0]} rank(s) and none on "
-                    f"{flags[k][1]}; every rank must produce the same set of gradients (unused parameters "
-                    "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
-                )
-        drift = [k for k in range(nrows) if agreement.hashes_differ(flags[k]) and not flags[k][agreement.NONFINITE]]
-        if drift:
-            raise RuntimeError(
-                f"ds_muon: {names[drift[0]]} (and {len(drift) - 1} more) is replicated (every rank holds all of it) "
-                "but its gradient differs between ranks, so the ranks would train different models: gradients are "
-                "not being averaged. Wrap the model in DDP (or FSDP / DeepSpeed) before training; with "
-                "transformers' Trainer do not call trainer.evaluate() before trainer.train() (it then never wraps "
-                "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
-        bad = [k for k in range(nrows) if flags[k][2]]
-        if bad:
-            name = names[bad[0]]
+        group, world = self._step_group()
+        verdict = self._agreement.check(items, self._name, self._flat, group, world,
+                                        settings_of(self) if world > 1 else None, self._dispatch)
+        if verdict.nonfinite:
+            name = verdict.nonfinite[0]
             if self.nonfinite == "raise":
                 raise FloatingPointError(
-                    f"ds_muon: non-finite gradient in {name} (and {len(bad) - 1} more); nothing "
+                    f"ds_muon: non-finite gradient in {name} (and {len(verdict.nonfinite) - 1} more); nothing "
                     "was changed. Pass nonfinite='skip' to skip such steps instead"
                 )
             self.nonfinite_skips += 1
             warnings.warn(
                 f"ds_muon: skipped step: non-finite gradient in {name} "
-                f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=3)
+                f"({self.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=4)
             return None
-        return {id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k]][0]}
-
-    def _agreement_rows(self, items, group, world) -> Tuple[List[int], int, List[str]]:
-        """Where each tensor's flags go in the one all_reduce of :meth:`_check_gradients`.
-
-        Tensors without a :func:`~ds_muon.domain` tag (or whose domain is the whole
-        agreement group) are the same tensors on every rank: one row each, in order.
-        Tensors of a smaller domain (expert data parallelism) differ between domains,
-        so each domain gets its own block of rows, written only by its members: the
-        sums then count agreement within the domain, and every rank still sees every
-        problem (and raises or skips alike).  The block layout is agreed once per set
-        of tensors (one all_gather_object); returns (row of each item, rows, row names).
-        """
-        key = tuple(id(p) for _, _, p in items)
-        cached = self._agreement.get(key)
-        if cached is not None:
-            return cached
-        names = [self._name(gi, pi) for gi, pi, _ in items]
-        if world == 1:
-            out = (list(range(len(items))), len(items), names)
-            self._agreement[key] = out
-            return out
-        from .tagging import domain_of
-
-        here = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        common: List[int] = []
-        mine: Dict[tuple, List[int]] = {}
-        for k, (_, _, p) in enumerate(items):
-            d = domain_of(p)
-            ranks = None if d is None else tuple(sorted(dist.get_process_group_ranks(d)))
-            if ranks is None or ranks == tuple(sorted(here)):
-                common.append(k)
-            else:
-                if not set(ranks) <= set(here):
-                    raise ValueError(
-                        f"ds_muon: {names[k]} is tagged with a domain of ranks {list(ranks)}, not all of which are in "
-                        f"the optimizer's process_group (ranks {sorted(here)})")
-                mine.setdefault(ranks, []).append(k)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, (len(common), {r: [names[k] for k in ks] for r, ks in mine.items()}),
-                               group=group)
-        if len({n for n, _ in everyone}) > 1:
-            raise ValueError(
-                "ds_muon: ranks list different numbers of tensors outside expert domains "
-                f"({[n for n, _ in everyone]} by rank); every rank must build the optimizer over the same model")
-        blocks: Dict[tuple, List[str]] = {}
-        for r, (_, doms) in enumerate(everyone):
-            for ranks, dnames in doms.items():
-                if here[r] not in ranks:
-                    raise ValueError(f"ds_muon: rank {here[r]} tags {dnames[0]} with a domain it is not in {list(ranks)}")
-                if ranks in blocks and len(blocks[ranks]) != len(dnames):
-                    raise ValueError(
-                        f"ds_muon: the ranks of domain {list(ranks)} list different numbers of tensors in it "
-                        f"({len(blocks[ranks])} and {len(dnames)}, e.g. {dnames[0]}); replicas of an expert must "
-                        "hold the same tensors")
-                blocks.setdefault(ranks, dnames)
-        rows = [0] * len(items)
-        for j, k in enumerate(common):
-            rows[k] = j
-        row_names = [names[k] for k in common]
-        for ranks in sorted(blocks):
-            for j, k in enumerate(mine.get(ranks, [])):
-                rows[k] = len(row_names) + j
-            row_names.extend(f"{n} (domain of ranks {list(ranks)})" for n in blocks[ranks])
-        out = (rows, len(row_names), row_names)
-        self._agreement[key] = out
-        return out
+        return verdict.active
 
     def _adamw(self, group: dict, params: List[torch.Tensor]) -> None:
         params = self._skip_empty(params)
@@ -549,8 +406,8 @@ class Muon(Optimizer):
         st = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         functional_adamw(
-            [_local(p) for p in params], [_local(p.grad) for p in params], [_local(s["exp_avg"]) for s in st],
-            [_local(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
+            [local_shard(p) for p in params], [local_shard(p.grad) for p in params], [local_shard(s["exp_avg"]) for s in st],
+            [local_shard(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
@@ -591,27 +448,77 @@ class Muon(Optimizer):
             maximize=False,
         )
 
-    def _muon(self, active: set) -> None:
-        group_of = self._muon_groups()
-        work = []  # (layout, active matrix indices)
+    def _check(self) -> Optional[set]:
+        """Stage 1: the agreement (:meth:`_check_gradients`); early gathers are waited out
+        when the step raises or is skipped."""
+        try:
+            active = self._check_gradients()
+        except BaseException:
+            self._drain_early()
+            raise
+        if active is None:
+            self._drain_early()
+        return active
+
+    def _adamw_all(self, active: set) -> None:
+        """Stage 2: AdamW on ``use_muon=False`` groups and on the AdamW slices of mixed flat shards."""
+        for g in self.param_groups:
+            if not g["use_muon"]:
+                self._adamw(g, [p for p in g["params"] if id(p) in active])
+            elif any(b.adam_ranges for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
+                self._adamw_ranges(g, [p for p in g["params"] if id(p) in active])
+
+    def _active_matrices(self, active: set) -> List[Tuple[Layout, List[int]]]:
+        """Stage 3: each layout (one per process group) with the indices of its matrices that step."""
+        work = []
         for layout in self._layouts:
             todo = [i for i, (b, _) in enumerate(layout.local) if id(b.param) in active]
             if todo:
                 work.append((layout, todo))
-        if not work:
-            self._drain_early()
-            return
-        # every domain's (and wave's) exchange is issued before any is waited on
+        return work
+
+    def _plan(self, work, group_of) -> List[_Job]:
+        """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.compile`),
+        planned on first use and cached while the layout and NS settings stay."""
+        jobs = []
+        for layout, todo in work:
+            key = exchange_key(layout, todo, self.param_groups)
+            if key not in self._exchanges:
+                self._exchanges[key] = compile_exchanges(
+                    layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
+                    comm_dtype=self.comm_dtype, waves=self.waves)
+            jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
+        return jobs
+
+    def _gather(self, jobs: List[_Job], group_of) -> list:
+        """Stage 5: every wave's gather issued (of every domain) before any is waited on; a wave's
+        momentum is computed just before its gather, so one wave's NS inputs live at a time.
+        Gathers a backward hook already issued are claimed (their momentum committed now)."""
+        early = self._dispatch.claim([j.exchange for j in jobs]) if self._dispatch is not None else {}
+        return [early[id(j.exchange)] if id(j.exchange) in early
+                else j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange, group_of=group_of)[0])
+                for j in jobs]
+
+    @staticmethod
+    def _orthogonalize(jobs: List[_Job], gathers: list) -> list:
+        """Stage 6: as each gather arrives, NS at home (batched by shape and settings), then its
+        scatter is issued.  Returns the pending scatters."""
+        scatters = []
+        for j, pending in zip(jobs, gathers):
+            stacks = j.exchange.gather_finish(pending)
+            scatters.append(j.exchange.scatter_start({key: j.ns_of[key].run(stack) for key, stack in stacks.items()}))
+        return scatters
+
+    def _apply(self, jobs: List[_Job], scatters: list, group_of) -> None:
+        """Stage 7: each wave's results applied in place, now or (overlap) by the next forward."""
         defer = self._deferred is not None and self._stack_allows_overlap()
-        for layout, ex, pending in self._orthogonalize_all(work, group_of):
-            apply = self._applier(layout, ex, pending, group_of)
+        for j, pending in zip(jobs, scatters):
+            apply = self._applier(j.layout, j.exchange, pending, group_of)
             if defer:
-                params = list({id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}.values())
-                self._deferred.add([id(q) for q in params], apply, params)
+                params = _params_of(j.layout, j.exchange.active)
+                self._deferred.add(list(params), apply, list(params.values()))
             else:
                 apply()
-        if self._dispatch is not None and self._stack_allows_overlap():
-            self._arm(work)
 
     def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True, group_of=None):
         """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov.
@@ -630,16 +537,10 @@ class Muon(Optimizer):
             p = b.param
             g = group_of[id(p)]
             sl = slice(slot.local_offset, slot.local_offset + slot.piece.numel)
-            grad = b.flat(p.grad)[sl]
             buf = b.flat(self.state[p]["momentum_buffer"])[sl]
-            if g["weight_decay"] and g["weight_decay_mode"] == "l2":
-                grad = grad.add(b.flat(p)[sl], alpha=g["weight_decay"])
-            if commit:
-                new = buf.lerp_(grad, 1 - g["momentum"])
-            else:
-                new = buf.lerp(grad, 1 - g["momentum"])
+            pieces[i], new = ns_input(b.flat(p.grad)[sl], buf, b.flat(p)[sl], g, commit)
+            if not commit:
                 commits.append((buf, new))
-            pieces[i] = grad.lerp(new, g["momentum"]) if g["nesterov"] else new
         return pieces, commits
 
     def _muon_groups(self) -> Dict[int, dict]:
@@ -653,22 +554,18 @@ class Muon(Optimizer):
         # a tensor no longer in a Muon group reads as None: the early dispatch is stale, not an error
         return tuple(tuple(group_of[i][k] for k in keys) if i in group_of else None for i in sorted(param_ids))
 
-    def _arm(self, work) -> None:
-        """Hook the waves of this step's exchanges whose gradients are final in backward:
-        FSDP2 parameters, and any parameter in a single process."""
+    def _arm(self, jobs: List[_Job]) -> None:
+        """Hook the waves of this step's exchanges whose gradients are final in backward: as the
+        adapter says (FSDP2 units: yes), and any parameter in a single process."""
         if self._final_grads is None or self._final_grads[0] != self._binding_sig:
-            self._final_grads = (self._binding_sig, final_grad_params(self.model))
+            context = BindContext(self.process_group, self.model)
+            self._final_grads = (self._binding_sig, {pid for pid, b in self._bindings.items()
+                                                     if self.adapter.grad_final_at_hook(b.param, context)})
         final = self._final_grads[1]
-        single = self._agreement_group()[1] == 1
-        waves = []
-        for layout, todo in work:
-            key = self._exchange_key(layout, todo)
-            params = {id(layout.local[i][0].param): layout.local[i][0].param for i in todo}
-            if not single and not all(pid in final for pid in params):
-                continue
-            for ex, _ in self._exchanges[key]:
-                ps = {id(layout.local[i][0].param): layout.local[i][0].param for i in ex.active}
-                waves.append(Wave(key, layout, ex, ps))
+        waves = [Wave(j.key, j.layout, j.exchange, _params_of(j.layout, j.exchange.active)) for j in jobs]
+        if self._step_group()[1] > 1:  # a layout's waves are hooked only if all its gradients are final
+            partial = {w.key for w in waves if not all(pid in final for pid in w.params)}
+            waves = [w for w in waves if w.key not in partial]
         self._dispatch.arm(waves)
 
     def _land(self, param_ids: set) -> None:
@@ -689,13 +586,7 @@ class Muon(Optimizer):
             b, slot = layout.local[i]
             if slot.piece is None or slot.piece.numel == 0:
                 continue
-            g = group_of[id(b.param)]
-            lr = float(g["lr"])  # a tensor lr (as torch.optim allows) is read as a number here
-            decay = 1 - lr * g["weight_decay"] if g["weight_decay"] and g["weight_decay_mode"] == "decoupled" else None
-            rows, cols = slot.matrix_shape
-            if slot.transposed:  # stored [in, out]: the layer maps cols -> rows the other way
-                rows, cols = cols, rows
-            alpha = -lr * get_muon_scale_factor(rows, cols, g["scale_mode"], g["extra_scale_factor"])
+            decay, alpha = apply_coefficients(group_of[id(b.param)], slot.matrix_shape, slot.transposed)
             updates.append((i, b, slot, decay, alpha))
 
         @torch.no_grad()  # may run later, from a forward pre-hook
@@ -703,36 +594,9 @@ class Muon(Optimizer):
             results = ex.scatter_finish(pending)
             for i, b, slot, decay, alpha in updates:
                 param = b.flat(b.param)[slot.local_offset:slot.local_offset + slot.piece.numel]
-                if decay is not None:
-                    param.mul_(decay)
-                param.add_(results[i].reshape(-1), alpha=alpha)
+                apply_result(param, results[i], decay, alpha)
 
         return apply
-
-    def _orthogonalize_all(self, work, group_of) -> List[tuple]:
-        """Exchange in, NS at home (batched by shape and settings), exchange out, for every
-        layout (domain) and wave at once: all gathers are issued before the first wait, NS
-        runs as each arrives, then its scatter is issued.  Returns ``(layout, exchange,
-        pending scatter)`` per exchange; the caller finishes and applies them."""
-        jobs = []  # (layout, exchange, ns settings)
-        for layout, todo in work:
-            key = self._exchange_key(layout, todo)
-            if key not in self._exchanges:
-                self._exchanges[key] = self._compile(layout, todo, group_of)
-            jobs.extend((layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
-        # gathers a backward hook already issued (momentum committed now), then the rest
-        early = self._dispatch.claim([ex for _, ex, _ in jobs]) if self._dispatch is not None else {}
-        pending = [early[id(ex)] if id(ex) in early else ex.gather_start(self._wave_inputs(layout, ex, group_of=group_of)[0])
-                   for layout, ex, _ in jobs]
-        out = []
-        for (layout, ex, ns_of), p in zip(jobs, pending):
-            stacks = ex.gather_finish(p)
-            res = {}
-            for skey, stack in stacks.items():
-                steps, coeffs, dtype, eps, method = ns_of[skey]
-                res[skey] = newton_schulz(stack, steps, coeffs, dtype, eps, method).contiguous()
-            out.append((layout, ex, ex.scatter_start(res)))
-        return out
 
     def flush(self) -> None:
         """Apply every update still waiting for a forward (``overlap=True``); a no-op otherwise."""
@@ -747,83 +611,10 @@ class Muon(Optimizer):
         """torch's load, after checking that the saved groups match these (same
         algorithm, same tensor names) and hold valid settings; older ds_muon state dicts
         are brought up to date (see :meth:`_upgrade_groups`)."""
-        self._check_loaded_groups(state_dict["param_groups"])
+        check_loaded_groups(self.param_groups, state_dict["param_groups"], self.defaults, self.adam_betas, self.adam_eps)
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
         super().load_state_dict(state_dict)
-
-    def _check_loaded_groups(self, saved_groups) -> None:
-        """ValueError, before anything changes, when a saved group would give its tensors
-        the other algorithm or other tensors' state, or holds an invalid setting."""
-        if len(saved_groups) != len(self.param_groups):
-            return  # torch's own check names this
-        for gi, (now, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            saved = dict(saved)
-            _fill_group_defaults(saved, self.defaults, self.adam_betas, self.adam_eps)
-            if bool(saved["use_muon"]) != bool(now["use_muon"]):
-                first = (now.get("param_names") or saved.get("param_names") or ["?"])[0]
-                raise ValueError(
-                    f"ds_muon: loaded param_groups[{gi}] has use_muon={saved['use_muon']} but this optimizer's "
-                    f"group {gi} (first tensor {first}) has use_muon={now['use_muon']}: the state dict's groups are "
-                    "in another order or from other groups; build the optimizer with the groups it was saved with")
-            ours, theirs = now.get("param_names"), saved.get("param_names")
-            if ours and theirs and list(ours) != list(theirs):
-                k = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                a = ours[k] if k < len(ours) else "(none)"
-                b = theirs[k] if k < len(theirs) else "(none)"
-                raise ValueError(
-                    f"ds_muon: loaded param_groups[{gi}] names tensor {k} {b!r} but this optimizer's group names "
-                    f"{a!r}: the state would go to the wrong tensors; build the optimizer with the groups (and "
-                    "tensor order) it was saved with")
-            _check_settings(saved, gi)
-
-    def _exchange_key(self, layout: Layout, todo: List[int]) -> tuple:
-        """What a compiled exchange depends on: the layout, its active matrices, and the NS
-        settings of every Muon group (they pick dtypes and stacks, and may change between steps)."""
-        ns = tuple((g["ns_steps"], repr(g["ns_coefficients"]), str(g["ns_dtype"]), g["eps"], g["ns_method"])
-                   for g in self.param_groups if g["use_muon"])
-        return id(layout), tuple(todo), ns
-
-    def _compile(self, layout: Layout, todo: List[int], group_of):
-        """Plan homes and build one Exchange per (gather, scatter) dtype pair."""
-        by_dtypes: Dict[tuple, List[int]] = {}
-        stack_key: Dict[int, Hashable] = {}
-        ns_of: Dict[Hashable, tuple] = {}
-        device = None
-        for i in todo:
-            b, _ = layout.local[i]
-            g = group_of[id(b.param)]
-            info = layout.matrices[i]
-            ns_dtype = compute_dtype(g["ns_method"], _dtype(g["ns_dtype"], "ns_dtype"))  # stored by name
-            mom_dtype = b.flat(b.param).dtype
-            device = b.flat(b.param).device
-            if self.comm_dtype is not None:
-                dts = (self.comm_dtype, self.comm_dtype)
-            else:  # lossless: NS casts its input to this dtype first anyway
-                first = input_dtype(ns_dtype)
-                dts = (first if first.itemsize <= mom_dtype.itemsize else mom_dtype, ns_dtype)
-            by_dtypes.setdefault(dts, []).append(i)
-            coeffs, _ = resolve_coefficients(g["ns_coefficients"], g["ns_steps"])
-            skey = (info.rows, info.cols, g["ns_steps"], coeffs, ns_dtype, g["eps"], g["ns_method"])
-            stack_key[i] = skey
-            ns_of[skey] = (g["ns_steps"], g["ns_coefficients"], ns_dtype, g["eps"], g["ns_method"])
-        compiled = []
-        for (gdt, sdt), idx in by_dtypes.items():
-            if self.mode == "duplicated":
-                homes = {i: tuple(range(layout.world_size)) for i in idx}
-            else:
-                tasks = [
-                    MatrixTask(layout.matrices[i].rows, layout.matrices[i].cols,
-                               group_of[id(layout.local[i][0].param)]["ns_steps"], gdt.itemsize,
-                               tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)),
-                               group_of[id(layout.local[i][0].param)]["ns_method"])
-                    for i in idx
-                ]
-                plan = plan_homes(tasks, layout.world_size, self.planner, self.cost_model)
-                homes = {i: (h,) for i, h in zip(idx, plan.homes)}
-            for wave in _split_waves(idx, layout, self.waves):
-                compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device), ns_of))
-        return compiled
 
     # -- introspection --------------------------------------------------------
     def exchanges(self) -> List[Exchange]:
@@ -831,154 +622,6 @@ class Muon(Optimizer):
         return [ex for lst in self._exchanges.values() for ex, _ in lst]
 
 
-def _split_waves(idx: List[int], layout: Layout, waves: int) -> List[List[int]]:
-    """Contiguous runs of the matrices in model order with about equal NS work each, so
-    early waves hold the parameters the next forward needs first."""
-    if waves <= 1 or len(idx) <= 1:
-        return [list(idx)]
-    cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, 5) for i in idx]
-    total, out, cur, acc = sum(cost), [], [], 0.0
-    for i, c in zip(idx, cost):
-        cur.append(i)
-        acc += c
-        if acc >= total * (len(out) + 1) / waves and len(out) < waves - 1:
-            out.append(cur)
-            cur = []
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _fill_group_defaults(group: dict, defaults: dict, adam_betas, adam_eps) -> None:
-    """Keys a group from an older ds_muon lacks: AdamW's ``betas``/``eps`` from the
-    optimizer's ``adam_betas``/``adam_eps``, everything else from ``defaults``."""
-    if not group.setdefault("use_muon", True):
-        group.setdefault("betas", tuple(adam_betas))
-        group.setdefault("eps", adam_eps)
-    for k, v in defaults.items():
-        group.setdefault(k, v)
-
-
-def _validate_group(group: dict, gi: int) -> None:
-    """Every setting (:func:`_check_settings`) and the tensors of one group."""
-    _check_settings(group, gi)
-    for p in group["params"]:
-        if torch.is_complex(p):
-            raise ValueError(f"param_groups[{gi}]: complex parameter of shape {tuple(p.shape)}; ds_muon supports real tensors only")
-    if not group["use_muon"]:
-        return
-    names = group.get("param_names")
-    for pi, p in enumerate(group["params"]):
-        if len(global_shape(p)) < 2 and not _is_sharded_container(p):
-            name = names[pi] if names else f"params[{pi}]"
-            raise ValueError(
-                f"param_groups[{gi}] {name}: a Muon group holds a tensor of shape {global_shape(p)}; Muon "
-                "needs matrices (ndim >= 2). Build groups with ds_muon.muon_param_groups(model) or put "
-                "this tensor in a group with use_muon=False (AdamW)"
-            )
-
-
-def _number(group: dict, key: str, gi: int, low: float = 0.0, strict: bool = False, below: Optional[float] = None):
-    """``group[key]`` as a finite real number in [low, below) (or (low, ...) if strict), else ValueError.
-    NaN fails every comparison, so it is refused like any other bad value."""
-    v = group[key]
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    if ok:
-        ok = (v > low if strict else v >= low) and (v < below if below is not None else v < math.inf)
-    if not ok:
-        span = f"{'(' if strict else '['}{low}, {below if below is not None else 'inf'})"
-        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number in {span}, got {v!r}")
-    return v
-
-
-def _check_lr(group: dict, key: str, gi: int) -> None:
-    """A learning rate: a finite number >= 0 or, as in torch.optim, a 1-element tensor."""
-    lr = group[key]
-    if torch.is_tensor(lr):
-        if lr.numel() != 1 or lr.is_complex():
-            raise ValueError(f"param_groups[{gi}]: a tensor {key} must hold 1 real element, got shape {tuple(lr.shape)}")
-        if not group["use_muon"] and group.get("foreach"):
-            raise ValueError(f"param_groups[{gi}]: a tensor {key} needs foreach=False (torch's AdamW refuses it with foreach=True)")
-        if lr.device.type != "cpu":
-            return  # reading it would wait for the device every step; torch.optim does not check it either
-        lr = lr.item()
-    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0.0 <= lr < math.inf):
-        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number >= 0, got {group[key]!r}")
-
-
-def _check_betas(group: dict, key: str, gi: int) -> None:
-    betas = group[key]
-    try:
-        b1, b2 = betas
-        ok = all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in (b1, b2))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"param_groups[{gi}]: {key} must be two numbers in [0, 1), got {betas!r}")
-
-
-_GOOD_SCHEDULES: set = set()  # (coefficients, steps) seen valid; the per-step check is a set hit
-
-
-def _check_schedule(coefficients, steps) -> None:
-    try:
-        key = (coefficients, steps, type(steps))
-        if key in _GOOD_SCHEDULES:
-            return
-    except TypeError:  # a list of triples: not hashable, checked in full
-        key = None
-    resolve_coefficients(coefficients, steps)
-    if key is not None:
-        _GOOD_SCHEDULES.add(key)
-
-
-def _check_settings(group: dict, gi: int) -> None:
-    """Every hyper-parameter of one group, checked before anything changes (at
-    construction, at load and at the start of every ``step()``: groups are plain
-    dicts that schedulers and users edit).  Raises ValueError naming the group and
-    the setting.  A ``torch.dtype`` ``ns_dtype`` is stored by name."""
-    _check_lr(group, "lr", gi)
-    _number(group, "weight_decay", gi)
-    if not group["use_muon"]:
-        _check_betas(group, "betas", gi)
-        _number(group, "eps", gi)
-        return
-    _number(group, "momentum", gi, below=1.0)
-    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
-        raise ValueError(
-            f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
-            f"use one of {list(WEIGHT_DECAY_MODES)}")
-    try:
-        _check_schedule(group["ns_coefficients"], group["ns_steps"])
-        check_scale_mode(group["scale_mode"])
-        group["ns_dtype"] = _dtype_name(group["ns_dtype"], "ns_dtype")
-    except ValueError as e:
-        raise ValueError(f"param_groups[{gi}]: {e}") from None
-    if group["ns_method"] not in NS_METHODS:
-        raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
-    _number(group, "eps", gi, strict=True)  # the NS normalisation floor
-    _number(group, "extra_scale_factor", gi)
-    for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)
-        if key in group:
-            {"adam_lr": _check_lr, "adam_betas": _check_betas}.get(key, _number)(group, key, gi)
-
-
-def _is_sharded_container(p: torch.Tensor) -> bool:
-    """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions).
-    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`~ds_muon.layout.global_shape`)."""
-    return (hasattr(p, "_fqns") or getattr(p, "_ds_muon_flat", False)
-            or getattr(p, "_fsdp_flattened", False))  # FSDP1 use_orig_params=True: 1-D views
-
-
-def _is_replica(p: torch.Tensor) -> bool:
-    """Does every rank of the agreement group hold all of ``p`` (no wrapper, DDP, DeepSpeed stage 0)?
-
-    Shards (DTensors, FSDP1 flat parameters and views, ZeRO partitions) and
-    tensor-parallel pieces differ between ranks by design."""
-    from .tagging import TENSOR_PARALLEL
-
-    return not (_is_sharded_container(p) or hasattr(p, "placements")
-                or getattr(p, TENSOR_PARALLEL, None) is not None)
 
 
 def _fsdp1_view(p: torch.Tensor) -> bool:
@@ -990,7 +633,7 @@ def _relaid_like(buf: torch.Tensor, p: torch.Tensor, binding: Optional[ParamBind
     """``buf`` copied into ``p``'s memory layout (a channels_last weight's momentum saved
     from a contiguous model), so the binding's flat view of it is a view: the momentum
     update is written through it and must land in the state."""
-    if buf.shape != p.shape or _local(p) is not p:
+    if buf.shape != p.shape or local_shard(p) is not p:
         return buf
     out = torch.empty_like(p, dtype=buf.dtype, memory_format=torch.preserve_format).copy_(buf)
     if binding is not None:
@@ -1009,48 +652,10 @@ def _placeholder_like(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (no collective); any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
-
-
 def _placement_sig(p: torch.Tensor):
     placements = getattr(p, "placements", None)
     return (tuple(str(x) for x in placements), tuple(p.shape)) if placements is not None else tuple(p.shape)
 
 
-def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
-    """With ``process_group=None``: the group spanning the device mesh of the DTensor parameters, None
-    (the world) when they span the world or there are none.  Raises when it cannot be named here."""
-    meshes = {}
-    for g in param_groups:
-        for p in g["params"]:
-            mesh = getattr(p, "device_mesh", None)
-            if mesh is not None:
-                meshes.setdefault(tuple(mesh.mesh.flatten().tolist()), mesh)
-    if not meshes:
-        return None
-    if len(meshes) > 1:
-        raise ValueError(
-            f"ds_muon: the DTensor parameters live on {len(meshes)} device meshes with different ranks "
-            f"({sorted(meshes)[:2]} ...); pass Muon(..., process_group=) the group spanning all of them")
-    ranks, mesh = next(iter(meshes.items()))
-    if sorted(ranks) == list(range(dist.get_world_size())):
-        return None
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    raise ValueError(
-        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)}, not the "
-        "whole world; pass Muon(..., process_group=) a process group spanning exactly those ranks (one that every "
-        "rank of the mesh created with torch.distributed.new_group)")
-
-
 def _group_key(group):
     return None if group is None else id(group)
-
-
-def _comm_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -356,3 +356,16 @@ def test_param_groups_changed_between_backward_and_step():
         o.step()
     o_ovl.flush()
     assert_same(ref, ovl)
+
+
+def test_waves_split_by_each_matrix_ns_cost():
+    """Waves hold about equal NS work as each matrix's own ns_steps sets it (once a fixed 5
+    steps for all): a 10-step matrix outweighs three 1-step ones of its shape."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(8, 8)) for _ in range(4)]
+    opt = ds_muon.Muon([dict(params=ps[:1], ns_steps=10), dict(params=ps[1:], ns_steps=1)],
+                       ns_dtype=torch.float32, overlap=True, waves=2)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert [ex.active for ex in opt.exchanges()] == [[0], [1, 2, 3]]

@@ -28,11 +28,28 @@ class Fsdp2Adapter:
     applies_in_step = False
     data_parallel_group = None
 
+    def __init__(self):
+        self._units: Optional[tuple] = None  # (id(model), ids of the parameters of its fully_shard units)
+
     def bind(self, param: torch.Tensor, name: str, context: BindContext) -> ParamBinding:
         return bind_fsdp2(param, name)
 
     def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
-        return True
+        """For a parameter of a ``fully_shard`` unit of ``context.model``: FSDP2 calls the hook
+        right after reduce-scattering it (a DTensor distributed by hand is reduced by nobody)."""
+        if context.model is None:
+            return False
+        if self._units is None or self._units[0] != id(context.model) or id(param) not in self._units[1]:
+            self._units = (id(context.model), _fully_sharded(context.model))  # rebuilt once a parameter is new
+        return id(param) in self._units[1]
+
+
+def _fully_sharded(model) -> set:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return set()
+    return {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
 
 
 def is_dtensor(t) -> bool:

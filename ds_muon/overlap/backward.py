@@ -1,4 +1,4 @@
-"""Starting each wave's gather from backward, as soon as its gradients are final.
+"""Gathers sent from backward: each wave's, as soon as its gradients are final.
 
 With ``Muon(..., overlap=True, model=model)`` every step after the first hooks the
 post-accumulate-grad hook of each Muon parameter whose gradient is *final* when that
@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import nn
+
+from ..layout import local_shard
 
 
 @dataclass
@@ -58,20 +59,6 @@ class _Early:
     commits: List[Tuple[torch.Tensor, torch.Tensor]]  # (momentum buffer slice, new value)
     seen: Optional[List[tuple]]  # see _snapshot
     hyper: tuple  # the settings the momentum was computed with
-
-
-def final_grad_params(model: nn.Module) -> set:
-    """Ids of parameters whose post-accumulate-grad hook sees the final gradient:
-    those of FSDP2 units (the hook runs after the reduce-scatter)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return set()
-    out = set()
-    for mod in model.modules():
-        if isinstance(mod, FSDPModule):
-            out.update(id(p) for p in mod.parameters())
-    return out
 
 
 class BackwardDispatch:
@@ -207,6 +194,11 @@ class BackwardDispatch:
         self._reset()
         return out
 
+    def redo(self) -> None:
+        """Every rank found an early dispatch stale: wait them out; step() gathers afresh."""
+        self.redone += 1
+        self.drain()
+
     def drain(self) -> None:
         """Wait out every early gather (every rank issued the same ones) and forget them."""
         for k, e in self._early.items():
@@ -226,16 +218,12 @@ def _snapshot(params: Dict[int, torch.Tensor]) -> List[tuple]:
     unscaling do, moves them)."""
     out = []
     for q in params.values():
-        local = _local(q.grad)
+        local = local_shard(q.grad)
         extremes = torch.stack(torch.aminmax(local)) if local.numel() else None
         out.append((q, id(q.grad), _versions(q), extremes))
     return out
 
 
 def _versions(q: torch.Tensor) -> tuple:
-    return (q.grad._version, _local(q.grad)._version, q._version, _local(q)._version)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+    return (q.grad._version, local_shard(q.grad)._version, q._version, local_shard(q)._version)
 

@@ -1,4 +1,4 @@
-"""Deferred application of Muon updates: results land while the next forward runs.
+"""Updates applied in the next forward: results land while it runs.
 
 With ``Muon(..., overlap=True, model=model)`` the step issues every wave's
 exchange and runs NS as waves arrive, but does not wait for the last scatters:
@@ -13,34 +13,12 @@ rank — so a rank that never runs some module's forward cannot deadlock the oth
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 from torch import nn
 
-
-def _hook_owner(model: nn.Module) -> Dict[int, nn.Module]:
-    """For each parameter (by id), the module whose forward first needs it up to date:
-    the innermost FSDP unit that holds it (FSDP gathers shards in that unit's pre-forward),
-    else the module that owns it directly."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-        fsdp_types = (FSDPModule, FSDP1)
-    except ImportError:  # pragma: no cover
-        fsdp_types = ()
-    owner: Dict[int, nn.Module] = {}
-
-    def visit(mod: nn.Module, unit: Optional[nn.Module]):
-        if fsdp_types and isinstance(mod, fsdp_types):
-            unit = mod
-        for p in mod.parameters(recurse=False):
-            owner.setdefault(id(p), unit if unit is not None else mod)
-        for child in mod.children():
-            visit(child, unit)
-
-    visit(model, None)
-    return owner
+from .units import hook_owner
 
 
 class DeferredApply:
@@ -55,7 +33,7 @@ class DeferredApply:
 
     def add(self, param_ids: List[int], apply: Callable[[], None], params: List[torch.Tensor]) -> None:
         self._pending.append((set(param_ids), apply))
-        self._owner = self._owner or _hook_owner(self.model)
+        self._owner = self._owner or hook_owner(self.model)
         for p in params:
             mod = self._owner.get(id(p))
             if mod is None:

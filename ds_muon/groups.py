@@ -1,0 +1,183 @@
+"""Param groups: their defaults, every setting's validation, and dtypes stored by name.
+
+Groups are plain dicts that schedulers and users edit and that checkpoints carry, so
+every setting is checked at construction, at load and at the start of every step,
+and raises ValueError naming the group and the setting before anything changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .layout import global_shape, is_flat_shard
+from .newton_schulz import NS_METHODS, resolve_coefficients
+from .scaling import check_scale_mode
+
+WEIGHT_DECAY_MODES = ("decoupled", "l2")
+
+
+def as_dtype(value, name: str) -> torch.dtype:
+    """A floating-point torch dtype from a dtype or its name ('bfloat16', 'torch.float32')."""
+    d = value
+    if isinstance(value, str):
+        d = getattr(torch, value.replace("torch.", ""), None)
+    if isinstance(d, torch.dtype) and d.is_floating_point and not d.is_complex:
+        return d
+    raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32')")
+
+
+_DTYPE_NAMES: Dict[object, str] = {}  # accepted dtypes and names -> name (the per-step check is a dict hit)
+
+
+def dtype_name(value, name: str) -> str:
+    """The name param_groups store (``'bfloat16'``): checkpoint tools (DCP's full and
+    cpu-offloaded state dicts) walk param_groups and refuse a ``torch.dtype`` value."""
+    try:
+        return _DTYPE_NAMES[value]
+    except (KeyError, TypeError):
+        out = str(as_dtype(value, name)).replace("torch.", "")
+        _DTYPE_NAMES[value] = out
+        return out
+
+
+def fill_group_defaults(group: dict, defaults: dict, adam_betas, adam_eps) -> None:
+    """Keys a group from an older ds_muon lacks: AdamW's ``betas``/``eps`` from the
+    optimizer's ``adam_betas``/``adam_eps``, everything else from ``defaults``."""
+    if not group.setdefault("use_muon", True):
+        group.setdefault("betas", tuple(adam_betas))
+        group.setdefault("eps", adam_eps)
+    for k, v in defaults.items():
+        group.setdefault(k, v)
+
+
+def validate_group(group: dict, gi: int) -> None:
+    """Every setting (:func:`check_settings`) and the tensors of one group."""
+    check_settings(group, gi)
+    for p in group["params"]:
+        if torch.is_complex(p):
+            raise ValueError(f"param_groups[{gi}]: complex parameter of shape {tuple(p.shape)}; ds_muon supports real tensors only")
+    if not group["use_muon"]:
+        return
+    names = group.get("param_names")
+    for pi, p in enumerate(group["params"]):
+        if len(global_shape(p)) < 2 and not is_flat_shard(p):
+            name = names[pi] if names else f"params[{pi}]"
+            raise ValueError(
+                f"param_groups[{gi}] {name}: a Muon group holds a tensor of shape {global_shape(p)}; Muon "
+                "needs matrices (ndim >= 2). Build groups with ds_muon.muon_param_groups(model) or put "
+                "this tensor in a group with use_muon=False (AdamW)"
+            )
+
+
+def _number(group: dict, key: str, gi: int, low: float = 0.0, strict: bool = False, below: Optional[float] = None):
+    """``group[key]`` as a finite real number in [low, below) (or (low, ...) if strict), else ValueError.
+    NaN fails every comparison, so it is refused like any other bad value."""
+    v = group[key]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok:
+        ok = (v > low if strict else v >= low) and (v < below if below is not None else v < math.inf)
+    if not ok:
+        span = f"{'(' if strict else '['}{low}, {below if below is not None else 'inf'})"
+        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number in {span}, got {v!r}")
+    return v
+
+
+def _check_lr(group: dict, key: str, gi: int) -> None:
+    """A learning rate: a finite number >= 0 or, as in torch.optim, a 1-element tensor."""
+    lr = group[key]
+    if torch.is_tensor(lr):
+        if lr.numel() != 1 or lr.is_complex():
+            raise ValueError(f"param_groups[{gi}]: a tensor {key} must hold 1 real element, got shape {tuple(lr.shape)}")
+        if not group["use_muon"] and group.get("foreach"):
+            raise ValueError(f"param_groups[{gi}]: a tensor {key} needs foreach=False (torch's AdamW refuses it with foreach=True)")
+        if lr.device.type != "cpu":
+            return  # reading it would wait for the device every step; torch.optim does not check it either
+        lr = lr.item()
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0.0 <= lr < math.inf):
+        raise ValueError(f"param_groups[{gi}]: {key} must be a finite number >= 0, got {group[key]!r}")
+
+
+def _check_betas(group: dict, key: str, gi: int) -> None:
+    betas = group[key]
+    try:
+        b1, b2 = betas
+        ok = all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in (b1, b2))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"param_groups[{gi}]: {key} must be two numbers in [0, 1), got {betas!r}")
+
+
+_GOOD_SCHEDULES: set = set()  # (coefficients, steps) seen valid; the per-step check is a set hit
+
+
+def _check_schedule(coefficients, steps) -> None:
+    try:
+        key = (coefficients, steps, type(steps))
+        if key in _GOOD_SCHEDULES:
+            return
+    except TypeError:  # a list of triples: not hashable, checked in full
+        key = None
+    resolve_coefficients(coefficients, steps)
+    if key is not None:
+        _GOOD_SCHEDULES.add(key)
+
+
+def check_settings(group: dict, gi: int) -> None:
+    """Every hyper-parameter of one group, checked before anything changes (at
+    construction, at load and at the start of every ``step()``: groups are plain
+    dicts that schedulers and users edit).  Raises ValueError naming the group and
+    the setting.  A ``torch.dtype`` ``ns_dtype`` is stored by name."""
+    _check_lr(group, "lr", gi)
+    _number(group, "weight_decay", gi)
+    if not group["use_muon"]:
+        _check_betas(group, "betas", gi)
+        _number(group, "eps", gi)
+        return
+    _number(group, "momentum", gi, below=1.0)
+    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
+        raise ValueError(
+            f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
+            f"use one of {list(WEIGHT_DECAY_MODES)}")
+    try:
+        _check_schedule(group["ns_coefficients"], group["ns_steps"])
+        check_scale_mode(group["scale_mode"])
+        group["ns_dtype"] = dtype_name(group["ns_dtype"], "ns_dtype")
+    except ValueError as e:
+        raise ValueError(f"param_groups[{gi}]: {e}") from None
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
+    _number(group, "eps", gi, strict=True)  # the NS normalisation floor
+    _number(group, "extra_scale_factor", gi)
+    for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)
+        if key in group:
+            {"adam_lr": _check_lr, "adam_betas": _check_betas}.get(key, _number)(group, key, gi)
+
+
+def check_loaded_groups(groups: List[dict], saved_groups: List[dict], defaults: dict, adam_betas, adam_eps) -> None:
+    """ValueError, before anything changes, when a saved group would give its tensors
+    the other algorithm or other tensors' state, or holds an invalid setting."""
+    if len(saved_groups) != len(groups):
+        return  # torch's own check names this
+    for gi, (now, saved) in enumerate(zip(groups, saved_groups)):
+        saved = dict(saved)
+        fill_group_defaults(saved, defaults, adam_betas, adam_eps)
+        if bool(saved["use_muon"]) != bool(now["use_muon"]):
+            first = (now.get("param_names") or saved.get("param_names") or ["?"])[0]
+            raise ValueError(
+                f"ds_muon: loaded param_groups[{gi}] has use_muon={saved['use_muon']} but this optimizer's "
+                f"group {gi} (first tensor {first}) has use_muon={now['use_muon']}: the state dict's groups are "
+                "in another order or from other groups; build the optimizer with the groups it was saved with")
+        ours, theirs = now.get("param_names"), saved.get("param_names")
+        if ours and theirs and list(ours) != list(theirs):
+            k = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            a = ours[k] if k < len(ours) else "(none)"
+            b = theirs[k] if k < len(theirs) else "(none)"
+            raise ValueError(
+                f"ds_muon: loaded param_groups[{gi}] names tensor {k} {b!r} but this optimizer's group names "
+                f"{a!r}: the state would go to the wrong tensors; build the optimizer with the groups (and "
+                "tensor order) it was saved with")
+        check_settings(saved, gi)

@@ -1,0 +1,54 @@
+"""Overlap (``Muon(..., overlap=True, model=model)``): the step's communication hidden
+behind the training loop, always bitwise equal to ``overlap=False``.
+
+* waves (:func:`ds_muon.compile.split_waves`): each layout's exchange is cut into runs
+  of about equal NS work, so NS of one wave runs while the next travels;
+* gathers sent from backward (:mod:`.backward`), where a parameter's gradient is
+  final when its hook fires (FSDP2, one process);
+* updates applied in the next forward (:mod:`.forward`), just before a module needs
+  its parameters.
+
+:class:`OverlapSettings` is the one object that says which of these run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+from torch import nn
+
+from .backward import BackwardDispatch, Wave
+from .forward import DeferredApply
+from .units import hook_owner
+
+__all__ = ["OverlapSettings", "BackwardDispatch", "DeferredApply", "Wave", "hook_owner"]
+
+
+@dataclass(frozen=True)
+class OverlapSettings:
+    """``enabled``: waves and (with a model) updates applied in forward; ``waves``: how
+    many per exchange; ``dispatch_in_backward``: gathers may leave from backward."""
+
+    enabled: bool = False
+    waves: int = 4
+    dispatch_in_backward: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.waves, int) or self.waves < 1:
+            raise ValueError(f"waves must be an integer >= 1, got {self.waves!r}")
+
+    @property
+    def wave_count(self) -> int:
+        """Waves per exchange: one without overlap."""
+        return self.waves if self.enabled else 1
+
+    def hooks(self, model: Optional[nn.Module], inputs: Callable, hyper: Callable,
+              before: Callable) -> Tuple[Optional[DeferredApply], Optional[BackwardDispatch]]:
+        """The deferred-apply and backward-dispatch hooks these settings call for on ``model``
+        (None where off; both need the model).  See :class:`BackwardDispatch` for the callables."""
+        if not self.enabled or model is None:
+            return None, None
+        deferred = DeferredApply(model)
+        dispatch = BackwardDispatch(inputs, hyper, before) if self.dispatch_in_backward else None
+        return deferred, dispatch

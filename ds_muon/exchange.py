@@ -11,7 +11,7 @@ the whole plan, so they all agree without talking).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist

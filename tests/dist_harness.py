@@ -7,6 +7,7 @@ fails the test with that rank's traceback, and a hang fails after ``timeout``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -16,6 +17,18 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block on one CPU thread, like every spawned rank: matmul blocking, and so the
+    last bits of a result, follow the thread count (single-process references use this)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:

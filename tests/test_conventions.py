@@ -237,9 +237,7 @@ def test_compiled_train_step_matches_eager():
     """A compiled step that calls opt.step(): the optimizer runs eagerly (a graph break).
     backend='aot_eager' traces forward and backward like inductor but computes them with
     eager kernels, so the parameters can be compared bitwise."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
         out = []
         for compiled in (False, True):
@@ -259,8 +257,6 @@ def test_compiled_train_step_matches_eager():
             out.append([p.detach().clone() for p in model.parameters()])
         assert all(torch.equal(a, b) for a, b in zip(*out))
         assert not torch.equal(out[1][0], mlp()[0].weight)  # the Muon weights did move
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- 8. empty matrices --------------------------------------------------------------------------
@@ -434,14 +430,10 @@ def _replicated_worker(rank, world):
 
 
 def test_replicated_w2_channels_last_and_empty_equal_single_process():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         ref = convnet(channels_last=True)
         conv_train(ref, conv_opt(ref), conv_batches())
         empty_ref, _ = empty_run(True)
-    finally:
-        torch.set_num_threads(threads)
     for res in dist_harness.run(_replicated_worker, 2):
         assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), res["channels_last"]))
         for n, p in empty_ref.named_parameters():

@@ -79,9 +79,7 @@ def ds_config(stage, bf16=False, gas=1, params=None, clip=0.0):
 
 def reference(params, steps=STEPS, double=False):
     """Single-process ds_muon on the full model, one thread (like each rank)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         model = make_model()
         opt = ds_muon_deepspeed.build_optimizer(model, params)
         for t in range(steps):
@@ -94,8 +92,6 @@ def reference(params, steps=STEPS, double=False):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def full_fp32(engine):

@@ -35,9 +35,7 @@ def _data(n=4):
 
 def reference(steps=PARITY_STEPS, mixed_precision=False, ns_dtype=torch.bfloat16):
     """Single-process ds_muon on the unwrapped model, one thread like each rank."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         model = make_gpt(gate=True)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **GROUP_OPTS), **MUON_OPTS, ns_dtype=ns_dtype)
         compute = None
@@ -57,8 +55,6 @@ def reference(steps=PARITY_STEPS, mixed_precision=False, ns_dtype=torch.bfloat16
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _muon_opts(cfg):

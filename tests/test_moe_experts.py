@@ -162,9 +162,7 @@ def test_unrecognised_3d_tensor_raises_unless_tagged():
 
 # -- (c, d) sharded: FSDP2 and FSDP1 equal the single-process run; FSDP1 errors ----------
 def _reference(ns_dtype):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         model = tiny_qwen2_moe()
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype)
         for idx in hf_batches(PARITY_STEPS):
@@ -172,8 +170,6 @@ def _reference(ns_dtype):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(model, opt):

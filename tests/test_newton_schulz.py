@@ -8,6 +8,8 @@ import torch
 import ds_muon
 from ds_muon.newton_schulz import KELLER, QUINTIC, resolve_coefficients
 
+import dist_harness
+
 
 # -- Newton–Schulz -------------------------------------------------------------------------
 
@@ -37,15 +39,11 @@ def test_fp32_against_float64(shape, schedule):
 
 
 def test_batched_equals_one_by_one():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         G = torch.randn(5, 20, 36)
         batched = ds_muon.newton_schulz(G)
         for k in range(5):
             assert torch.equal(batched[k], ds_muon.newton_schulz(G[k]))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_polar_express_singular_values_near_one():

@@ -46,9 +46,7 @@ def test_which_tensors_take_muon(family):
 
 def test_llama_matches_torch_optim_muon_bitwise():
     """The single-process maths on a real model against torch's own Muon (bf16 NS, one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         a, b = FAMILIES["llama"](), FAMILIES["llama"]()
         mats_a = [p for n, p in a.named_parameters() if n in expected_muon("llama", a)]
         mats_b = [p for n, p in b.named_parameters() if n in expected_muon("llama", b)]
@@ -61,8 +59,6 @@ def test_llama_matches_torch_optim_muon_bitwise():
                 opt.zero_grad(set_to_none=True)
         for pa, pb in zip(mats_a, mats_b):
             assert torch.equal(pa, pb)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- FSDP2 at W=2 against one process -----------------------------------------------------------------
@@ -71,9 +67,7 @@ def _layers(model):
 
 
 def _single(family, ns_dtype):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         model = FAMILIES[family]()
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **GROUPS), ns_dtype=ns_dtype)
         for idx in hf_batches(STEPS):
@@ -81,8 +75,6 @@ def _single(family, ns_dtype):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {n: p.detach().clone() for n, p in model.named_parameters()}, muon_names(opt.param_groups)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _wrap(model, stack, world, ns_dtype):

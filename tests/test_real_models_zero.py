@@ -145,9 +145,7 @@ def reference(family: str, init: dict, ns_dtype: str, sharded_grads: list):
     """ds_muon.Muon in one process, one thread, from the same initial weights and batches, stepping on
     the gradients the sharded run used.  Returns (final parameters, per step the largest difference
     between those gradients and this process's own backward)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         model = build(family)
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -163,8 +161,6 @@ def reference(family: str, init: dict, ns_dtype: str, sharded_grads: list):
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {n: p.detach().clone() for n, p in model.named_parameters()}, grad_gaps
-    finally:
-        torch.set_num_threads(threads)
 
 
 RUNS = [("llama", "float32"), ("llama", "bfloat16"), ("gpt2", "float32"), ("gpt2", "bfloat16"),

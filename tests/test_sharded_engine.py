@@ -40,9 +40,7 @@ def _opts(ns_dtype):
 
 def reference(ns_dtype, steps=STEPS, **extra):
     """Single-process ds_muon on full tensors (one thread, like each rank)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         mats, bias = _initial()
         mats = [nn.Parameter(m) for m in mats]
         bias = nn.Parameter(bias)
@@ -55,8 +53,6 @@ def reference(ns_dtype, steps=STEPS, **extra):
             bias.grad = gb
             opt.step()
         return [m.detach() for m in mats], bias.detach()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def boundaries(total, world):

@@ -10,6 +10,8 @@ from torch import nn
 
 import ds_muon
 
+import dist_harness
+
 
 def mlp(seed=0):
     torch.manual_seed(seed)
@@ -33,9 +35,7 @@ def train(model, opts, steps=4, seed=1):
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_matches_torch_muon(nesterov, wd):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with dist_harness.one_thread():
         a, b = mlp(), mlp()
         mats_a = [p for p in a.parameters() if p.ndim == 2]
         mats_b = [p for p in b.parameters() if p.ndim == 2]
@@ -44,8 +44,6 @@ def test_matches_torch_muon(nesterov, wd):
                                adjust_lr_fn="original")
         train(a, [ours])
         train(b, [ref])
-    finally:
-        torch.set_num_threads(threads)
     for (name, pa), pb in zip(((n, p) for n, p in a.named_parameters() if p.ndim == 2), mats_b):
         assert torch.equal(pa, pb), name  # the same bf16 iteration, the same bits
 

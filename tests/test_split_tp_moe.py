@@ -37,12 +37,8 @@ OPTS = dict(lr=0.05, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
 
 def _one_thread(fn):
     def wrapped(*a, **k):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with dist_harness.one_thread():
             return fn(*a, **k)
-        finally:
-            torch.set_num_threads(threads)
     return wrapped
 
 

@@ -369,3 +369,89 @@ def test_waves_split_by_each_matrix_ns_cost():
         p.grad = torch.randn_like(p)
     opt.step()
     assert [ex.active for ex in opt.exchanges()] == [[0], [1, 2, 3]]
+
+
+# -- FSDP forward prefetch: a unit gathered before its own pre-forward -----------------------------
+def _prefetch_model(kind, world):
+    """``kind``: "fsdp2" (each Linear a unit, each unit prefetching the next two), "fsdp2_grouped"
+    (``fully_shard([a, b])``: one all-gather for two modules), "fsdp1_flat" / "fsdp1_orig"
+    (each Linear wrapped, ``forward_prefetch=True``).  Returns (model to call, param groups, model=)."""
+    model = make_model()
+    if kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        if kind == "fsdp2_grouped":
+            fully_shard([model[2], model[4]], mesh=mesh)
+            fully_shard(model[0], mesh=mesh)
+        else:
+            for i in (0, 2, 4):
+                fully_shard(model[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if kind == "fsdp2":
+            model.set_modules_to_forward_prefetch([model[0]])
+            model[0].set_modules_to_forward_prefetch([model[2], model[4]])
+        return model, ds_muon.muon_param_groups(model, adam_lr=1e-2), model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ds_muon.integrations.fsdp import fsdp_param_groups
+
+    orig = kind == "fsdp1_orig"
+    groups = ds_muon.muon_param_groups(model, adam_lr=1e-2) if orig else None
+    fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                use_orig_params=orig, forward_prefetch=True)
+    return fsdp, groups or fsdp_param_groups(fsdp, adam_lr=1e-2), fsdp
+
+
+def _full(kind, model):
+    if kind.startswith("fsdp2"):
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():  # the root keeps its parameters gathered after a forward
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return [p.full_tensor().detach().clone() for p in model.parameters()]
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def _prefetch_worker(rank, world, overlap, kinds):
+    """Every kind trained 3 steps with overlap on or off; losses and full parameters per kind."""
+    out = {}
+    for kind in kinds:
+        model, groups, owner = _prefetch_model(kind, world)
+        opt = ds_muon.Muon(groups, ns_dtype=torch.float32, overlap=overlap, waves=3, model=owner)
+        losses, pending = [], []
+        for t in range(STEPS + 1):  # the last forward runs on the third step's deferred updates
+            pending.append(opt._deferred.pending if opt._deferred is not None else 0)
+            x, y = batch(t, rank)
+            loss = nn.functional.mse_loss(model(x), y)
+            losses.append(loss.item())
+            if t < STEPS:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        opt.flush()
+        out[kind] = (losses, _full(kind, model), pending)
+    return out
+
+
+PREFETCH_KINDS = ["fsdp2", "fsdp2_grouped", "fsdp1_flat", "fsdp1_orig"]
+
+
+def test_forward_prefetch_sees_landed_updates():
+    """FSDP gathers a prefetched unit (and every module of a grouped ``fully_shard``) before that
+    unit's own pre-forward: its deferred update must land first, or the forward uses stale weights."""
+    ref = dist_harness.run(_prefetch_worker, 2, False, PREFETCH_KINDS)
+    ovl = dist_harness.run(_prefetch_worker, 2, True, PREFETCH_KINDS)
+    for r, o in zip(ref, ovl):
+        for kind in PREFETCH_KINDS:
+            (lr_, pr, _), (lo, po, pending) = r[kind], o[kind]
+            assert pending == [0] + [3] * STEPS, (kind, pending)  # each forward had every wave to land
+            assert lr_ == lo, kind  # every forward saw the same weights
+            for i, (a, b) in enumerate(zip(pr, po)):
+                assert torch.equal(a, b), (kind, i)

@@ -13,58 +13,105 @@ rank — so a rank that never runs some module's forward cannot deadlock the oth
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, NamedTuple, Optional, Set
 
 import torch
 from torch import nn
 
-from .units import hook_owner
+from .units import all_gather_streams, fsdp1_units_by_handle, fsdp_units, gathered_in_pre_forward, hook_owner
+
+
+class _Pending(NamedTuple):
+    param_ids: Set[int]
+    apply: Callable[[], None]
+    device: Optional[torch.device]  # a CUDA device when the update lands there (see _gathers_wait)
 
 
 class DeferredApply:
-    """Pending wave applications and the hooks that run them."""
+    """Pending wave applications and the hooks that run them.
+
+    A hook sits on every module that owns pending parameters and on every FSDP unit.  It
+    lands the updates of all the units whose shards FSDP is about to all-gather: the
+    module's own, and under FSDP those of the units its pre-forward prefetches (FSDP2
+    ``set_modules_to_forward_prefetch``, FSDP1 ``forward_prefetch=True``) or gathers with
+    it (FSDP2 ``fully_shard([a, b])``), which would otherwise be gathered from shards
+    whose update has not landed.  Our hook runs before FSDP's (both are prepended, ours
+    later), so the update always precedes the gather."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._pending: List[tuple] = []  # (param ids, apply callable)
+        self._pending: List[_Pending] = []
         self._owner: Dict[int, nn.Module] = {}
+        self._members: Dict[int, Set[int]] = {}  # id(module) -> ids of the parameters it owns
+        self._units: Set[int] = set()  # ids of the model's FSDP units
+        self._fsdp1_by_handle: Dict[int, nn.Module] = {}
         self._hooked: Dict[int, object] = {}
         self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.flush())
 
     def add(self, param_ids: List[int], apply: Callable[[], None], params: List[torch.Tensor]) -> None:
-        self._pending.append((set(param_ids), apply))
-        self._owner = self._owner or hook_owner(self.model)
+        device = next((p.device for p in params if p.is_cuda), None)
+        self._pending.append(_Pending(set(param_ids), apply, device))
+        if not self._owner:
+            self._learn_owners()
         for p in params:
             mod = self._owner.get(id(p))
             if mod is None:
                 # a tensor the model does not own (swapped by a stack): nothing would apply it in time
                 self.flush()
                 return
-            if id(mod) not in self._hooked:
-                self._hooked[id(mod)] = mod.register_forward_pre_hook(self._pre_forward(mod), prepend=True)
+            self._hook(mod)
+
+    def _learn_owners(self) -> None:
+        """Who owns which parameter, and a hook on every FSDP unit (a unit may prefetch
+        others while owning no pending parameter itself)."""
+        self._owner = hook_owner(self.model)
+        self._members = {}
+        for pid, mod in self._owner.items():
+            self._members.setdefault(id(mod), set()).add(pid)
+        self._fsdp1_by_handle = fsdp1_units_by_handle(self.model)
+        units = fsdp_units(self.model)
+        self._units = {id(u) for u in units}
+        for unit in units:
+            self._hook(unit)
+
+    def _hook(self, mod: nn.Module) -> None:
+        if id(mod) not in self._hooked:
+            self._hooked[id(mod)] = mod.register_forward_pre_hook(self._pre_forward(mod), prepend=True)
 
     def _pre_forward(self, mod: nn.Module):
-        ids = {id(p) for p, m in ((p, self._owner.get(id(p))) for p in mod.parameters()) if m is mod}
+        is_unit = id(mod) in self._units
 
         def hook(module, args):
-            self.apply_for(ids)
+            if not self._pending:
+                return
+            units = gathered_in_pre_forward(mod, self._fsdp1_by_handle) if is_unit else [mod]
+            ids = set()
+            for unit in units:
+                ids |= self._members.get(id(unit), set())
+            devices = self.apply_for(ids)
+            if devices and is_unit:
+                _gathers_wait(units, devices)
 
         return hook
 
-    def apply_for(self, param_ids) -> None:
-        """Apply (in dispatch order) every pending wave that touches these parameters."""
-        keep = []
+    def apply_for(self, param_ids) -> Set[torch.device]:
+        """Apply (in dispatch order) every pending wave that touches these parameters;
+        returns the CUDA devices the applied updates landed on."""
+        keep, devices = [], set()
         for entry in self._pending:
-            if entry[0] & param_ids:
-                entry[1]()
+            if entry.param_ids & param_ids:
+                entry.apply()
+                if entry.device is not None:
+                    devices.add(entry.device)
             else:
                 keep.append(entry)
         self._pending = keep
+        return devices
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
-        for _, apply in pending:
-            apply()
+        for entry in pending:
+            entry.apply()
 
     @property
     def pending(self) -> int:
@@ -76,4 +123,21 @@ class DeferredApply:
         for h in self._hooked.values():
             h.remove()
         self._hooked.clear()
-        self._owner = {}
+        self._owner, self._members, self._units, self._fsdp1_by_handle = {}, {}, set(), {}
+
+
+def _gathers_wait(units: List[nn.Module], devices: Set[torch.device]) -> None:
+    """Make FSDP's all-gather streams wait for updates just applied on the current stream.
+
+    FSDP reads a unit's shards on its own streams (FSDP2: copy-in and all-gather streams;
+    FSDP1: pre-unshard and unshard streams), which wait on the compute stream only in the
+    root's pre-forward.  An update applied later, in a unit's pre-forward, must be ordered
+    before the gather FSDP is about to issue for that unit or for the units it prefetches."""
+    for device in devices:
+        event = torch.cuda.current_stream(device).record_event()
+        seen = set()
+        for unit in units:
+            for stream in all_gather_streams(unit):
+                if id(stream) not in seen and getattr(stream, "device", device) == device:
+                    seen.add(id(stream))
+                    stream.wait_event(event)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,3 +42,55 @@ def hook_owner(model: nn.Module) -> Dict[int, nn.Module]:
     for p, unit, mod in _walk(model):
         owner.setdefault(id(p), unit if unit is not None else mod)
     return owner
+
+
+def fsdp_units(model: nn.Module) -> List[nn.Module]:
+    """Every FSDP unit in ``model`` (FSDP2 modules and FSDP1 wrappers), in module order."""
+    units = _fsdp_units()
+    return [m for m in model.modules() if units and isinstance(m, units)]
+
+
+def _is_fsdp2(mod: nn.Module) -> bool:
+    return hasattr(mod, "_get_fsdp_state")
+
+
+def gathered_in_pre_forward(unit: nn.Module, fsdp1_by_handle: Dict[int, nn.Module]) -> List[nn.Module]:
+    """The units whose shards FSDP all-gathers in ``unit``'s pre-forward, ``unit`` included:
+
+    * FSDP2: every module of a grouped ``fully_shard([a, b])`` (one all-gather for all), and
+      the units named by ``set_modules_to_forward_prefetch`` (with their groups);
+    * FSDP1: with ``forward_prefetch=True``, the unit of the handle FSDP picks from the
+      forward order it recorded in the first iteration (``fsdp1_by_handle``: id(handle) -> unit).
+
+    Read at every call: prefetch lists may be set, and FSDP1's order is recorded, after the
+    hooks are placed.  Gathering may be skipped (already gathered); landing early is harmless."""
+    if _is_fsdp2(unit):
+        state = unit._get_fsdp_state()
+        out = list(state._modules)
+        for target in state._states_to_forward_prefetch:
+            out.extend(target._modules)
+        return out
+    out = [unit]
+    handle = getattr(unit, "_handle", None)
+    if handle is not None and getattr(unit, "forward_prefetch", False):
+        target = unit._exec_order_data.get_handle_to_forward_prefetch(handle)
+        if target is not None and id(target) in fsdp1_by_handle:
+            out.append(fsdp1_by_handle[id(target)])
+    return out
+
+
+def fsdp1_units_by_handle(model: nn.Module) -> Dict[int, nn.Module]:
+    """id(FlatParamHandle) -> the FSDP1 unit that owns it (FSDP1's prefetch names handles)."""
+    return {id(u._handle): u for u in fsdp_units(model) if not _is_fsdp2(u) and getattr(u, "_handle", None)}
+
+
+def all_gather_streams(unit: nn.Module) -> list:
+    """The streams FSDP reads ``unit``'s shards on when it all-gathers them (set up at FSDP's
+    lazy init; none before): FSDP2's copy-in and all-gather streams, FSDP1's pre-unshard and
+    unshard streams."""
+    if _is_fsdp2(unit):
+        ctx = unit._get_fsdp_state()._comm_ctx
+        names, owner = ("all_gather_copy_in_stream", "all_gather_stream"), ctx
+    else:
+        names, owner = ("_pre_unshard_stream", "_unshard_stream"), unit
+    return [s for s in (getattr(owner, n, None) for n in names) if hasattr(s, "wait_event")]

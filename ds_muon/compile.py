@@ -5,14 +5,17 @@ to anyway), which matrices share one batched NS call (shape and NS settings), an
 its home (:func:`~ds_muon.planner.plan_homes`, or every rank in the duplicated
 baseline); then the matrices are cut into waves of about equal NS work.  The result
 depends only on the layout, the active matrices and the settings, so the optimizer
-compiles once per :func:`exchange_key` and reuses it every step.
+compiles once per :func:`exchange_key` and reuses it (:class:`ExchangeCache`) while
+that key keeps coming back.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, NamedTuple, Optional, Tuple
+from collections import OrderedDict
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .exchange import Exchange
 from .groups import as_dtype
@@ -49,11 +52,87 @@ def exchange_key(layout: Layout, todo: List[int], param_groups) -> tuple:
     return id(layout), tuple(todo), tuple(repr(_ns_fields(g)) for g in param_groups if g["use_muon"])
 
 
+EXCHANGES_PER_LAYOUT = 4  # sets of active matrices kept compiled per layout
+
+
+class ExchangeCache:
+    """Compiled exchanges by :func:`exchange_key`, at most ``per_layout`` keys per layout.
+
+    The set of tensors with a gradient may change every step (MoE experts that get no
+    tokens, frozen parts, ``set_to_none``); each set compiles its own exchanges with
+    buffers sized for it.  Keeping every set ever seen grows memory without bound, so
+    the least recently used key of a layout is evicted and its buffers released (an
+    exchange still in flight keeps what it uses until it finishes).  A steady set of
+    active tensors stays compiled, and an evicted set simply compiles again.
+    """
+
+    def __init__(self, per_layout: int = EXCHANGES_PER_LAYOUT):
+        if per_layout < 1:
+            raise ValueError(f"ds_muon: ExchangeCache(per_layout={per_layout}) must keep at least 1 key per layout")
+        self.per_layout = per_layout
+        self._by_key: "OrderedDict[tuple, list]" = OrderedDict()  # least recently used first
+        self.compiled = 0  # how many keys were compiled (a count for tests and reports)
+
+    def get(self, key: tuple, compile_fn: Callable[[], list]) -> list:
+        """The exchanges of ``key`` (``key[0]`` names the layout), compiled on a miss."""
+        hit = self._by_key.get(key)
+        if hit is not None:
+            self._by_key.move_to_end(key)
+            return hit
+        self._evict_for(key[0])
+        out = self._by_key[key] = compile_fn()
+        self.compiled += 1
+        return out
+
+    def _evict_for(self, layout_id) -> None:
+        same = [k for k in self._by_key if k[0] == layout_id]
+        for k in same[:max(0, len(same) - self.per_layout + 1)]:
+            for ex, _ in self._by_key.pop(k):
+                ex.release()
+
+    def clear(self) -> None:
+        for lst in self._by_key.values():
+            for ex, _ in lst:
+                ex.release()
+        self._by_key.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def exchanges(self) -> List[Exchange]:
+        return [ex for lst in self._by_key.values() for ex, _ in lst]
+
+
+def exchange_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A process group of ``group``'s ranks for the exchange alone, or ``group`` itself.
+
+    NCCL runs one communicator's collectives in issue order, so an exchange sharing
+    FSDP's group would hold up the next forward's all-gathers (scatters) and the
+    backward's reduce-scatters (gathers sent from backward).  ``dist.new_group`` is
+    collective over the *world*, so it is only safe where every world rank reaches
+    this call at the same point: for a layout whose group spans the world, whose
+    :func:`~ds_muon.layout.build_layout` every world rank just ran, in the same order.
+    A smaller group (MoE expert domains, a sub-mesh, one pipeline stage's optimizer)
+    has ranks outside it that never get here; it keeps the layout's group.  Call it
+    once per layout group, right after building the layout, and keep the result.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return group
+    size = dist.get_world_size(group)
+    if size == 1 or size != dist.get_world_size():
+        return group
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
+    if ranks != sorted(ranks):  # new_group numbers ranks in sorted order: the exchange's ranks would move
+        return group
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+
+
 def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict], *, mode: str, planner: str,
-                      cost_model: CostModel, comm_dtype: Optional[torch.dtype],
-                      waves: int) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
+                      cost_model: CostModel, comm_dtype: Optional[torch.dtype], waves: int,
+                      group: Optional[dist.ProcessGroup] = None) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
     """Plan homes and build one Exchange per (gather, scatter) dtype pair and wave; each
-    comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group."""
+    comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group;
+    ``group`` (default the layout's) is where the all_to_alls run (:func:`exchange_group`)."""
     by_dtypes: Dict[tuple, List[int]] = {}
     stack_key: Dict[int, Hashable] = {}
     ns_of: Dict[Hashable, NSSettings] = {}
@@ -89,7 +168,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             homes = {i: (h,) for i, h in zip(idx, plan.homes)}
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
         for wave in split_waves(idx, cost, waves):
-            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device), ns_of))
+            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group), ns_of))
     return compiled
 
 

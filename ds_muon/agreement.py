@@ -310,14 +310,14 @@ def _on_device(flags: List[List[int]], checks, stale, nrows: int, device: torch.
     """The agreement table on ``device``: the flags known on the host, with the finite flags,
     replica fingerprints and the stale flag written in on the device, so that reading the
     (reduced) table is the step's only wait for the device."""
-    table = torch.tensor(flags, dtype=torch.int64).to(device, non_blocking=True)
+    table = _host_to(device, flags)
     if checks:
         mm = torch.stack([c for _, c, _ in checks]).to(device)
-        row = torch.tensor([k for k, _, _ in checks], device=device)
+        row = _host_to(device, [k for k, _, _ in checks])
         table[row, NONFINITE] = (~torch.isfinite(mm).all(dim=1)).to(torch.int64)
         replica = [j for j, (_, _, rep) in enumerate(checks) if rep]
         if replica:  # its gradient must be the same on every rank
-            pick = torch.tensor(replica, device=device)
+            pick = _host_to(device, replica)
             h = minmax_hash(mm[pick])
             table[row[pick], N_HASHED] = 1
             table[row[pick], HASH] = h
@@ -327,6 +327,12 @@ def _on_device(flags: List[List[int]], checks, stale, nrows: int, device: torch.
     else:
         table[nrows, 0] = int(stale)
     return table
+
+
+def _host_to(device: torch.device, values) -> torch.Tensor:
+    """int64 values from the host, copied without waiting for work already queued on the device
+    (a blocking host-to-device copy synchronizes the stream)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _first_device(checks) -> torch.device:

@@ -103,28 +103,59 @@ class ExchangeCache:
         return [ex for lst in self._by_key.values() for ex, _ in lst]
 
 
-def exchange_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A process group of ``group``'s ranks for the exchange alone, or ``group`` itself.
+class ExchangeGroups:
+    """The exchange's own process groups: one per set of ranks (and backend) a layout plans in.
 
     NCCL runs one communicator's collectives in issue order, so an exchange sharing
     FSDP's group would hold up the next forward's all-gathers (scatters) and the
     backward's reduce-scatters (gathers sent from backward).  ``dist.new_group`` is
-    collective over the *world*, so it is only safe where every world rank reaches
-    this call at the same point: for a layout whose group spans the world, whose
-    :func:`~ds_muon.layout.build_layout` every world rank just ran, in the same order.
-    A smaller group (MoE expert domains, a sub-mesh, one pipeline stage's optimizer)
-    has ranks outside it that never get here; it keeps the layout's group.  Call it
-    once per layout group, right after building the layout, and keep the result.
+    collective over the *world*: every world rank must call it for every group, in the
+    same order, members or not.  :meth:`add` is called right after the layouts are
+    built, so
+
+    * a layout group spanning the world (every world rank just built that layout, in
+      the same order) gets its own group with no further talk;
+    * smaller groups (MoE expert domains, HSDP shard groups) get theirs only when every
+      world rank steps this optimizer (``whole_world``): then all ranks list the groups
+      they plan in (one ``all_gather_object`` per set of tensors, as the agreement does)
+      and create the union in sorted order.  Otherwise (one pipeline stage's optimizer,
+      a sub-mesh) ranks outside never get here, and the layout's own group is used.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return group
+
+    def __init__(self):
+        self._made: Dict[tuple, Optional[dist.ProcessGroup]] = {}  # (ranks, backend) -> group (None: keep)
+
+    def add(self, groups: List[Optional[dist.ProcessGroup]], whole_world: bool) -> None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        world = dist.get_world_size()
+        wanted = [_ident(g) for g in groups]
+        wanted = [w for w in wanted if len(w[0]) > 1]
+        if whole_world:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, wanted)
+            wanted = [w for theirs in everyone for w in theirs]
+        else:
+            wanted = [w for w in wanted if len(w[0]) == world]
+        for ranks, backend in sorted(set(wanted)):
+            if (ranks, backend) not in self._made:
+                # new_group numbers ranks in sorted order; another order would move the exchange's ranks
+                ok = list(ranks) == sorted(ranks)
+                self._made[(ranks, backend)] = dist.new_group(list(ranks), backend=backend) if ok else None
+
+    def of(self, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+        """The exchange's group for a layout of ``group`` (``group`` itself when none was made)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return group
+        own = self._made.get(_ident(group))
+        return own if own is not None else group
+
+
+def _ident(group) -> Tuple[Tuple[int, ...], str]:
+    """A group as every rank can name it: its global ranks in group-rank order, and its backend."""
     size = dist.get_world_size(group)
-    if size == 1 or size != dist.get_world_size():
-        return group
-    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
-    if ranks != sorted(ranks):  # new_group numbers ranks in sorted order: the exchange's ranks would move
-        return group
-    return dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    ranks = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(size))
+    return ranks, str(dist.get_backend(group))
 
 
 def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict], *, mode: str, planner: str,
@@ -132,7 +163,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
                       group: Optional[dist.ProcessGroup] = None) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
     """Plan homes and build one Exchange per (gather, scatter) dtype pair and wave; each
     comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group;
-    ``group`` (default the layout's) is where the all_to_alls run (:func:`exchange_group`)."""
+    ``group`` (default the layout's) is where the all_to_alls run (:class:`ExchangeGroups`)."""
     by_dtypes: Dict[tuple, List[int]] = {}
     stack_key: Dict[int, Hashable] = {}
     ns_of: Dict[Hashable, NSSettings] = {}

@@ -32,7 +32,7 @@ class Exchange:
     sharded mode, every rank in the duplicated baseline.  ``stack_key[i]`` groups
     matrices that may share one batched NS call at a home (shape and NS settings).
     ``group`` (default ``layout.group``) holds the same ranks in the same order: the
-    exchange's own communicator (:func:`~ds_muon.compile.exchange_group`).
+    exchange's own communicator (:class:`~ds_muon.compile.ExchangeGroups`).
     """
 
     def __init__(

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
 from .agreement import Agreement, settings_of
-from .compile import ExchangeCache, NSSettings, compile_exchanges, exchange_group, exchange_key
+from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
@@ -147,7 +147,7 @@ class Muon(Optimizer):
         self._layouts: List[Layout] = []
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges = ExchangeCache()
-        self._exchange_groups: Dict[object, Optional[dist.ProcessGroup]] = {}  # layout group -> the exchange's
+        self._exchange_groups = ExchangeGroups()  # the exchange's own process groups, kept across re-sharding
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
 
@@ -278,19 +278,15 @@ class Muon(Optimizer):
                     by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend(
                         (b, s) for s in b.matrices if math.prod(s.matrix_shape))
             layouts = [build_layout(entries, group) for group, entries in by_group.values()]
-            for layout in layouts:  # on every rank in the same order, like the layouts
-                self._exchange_group(layout.group)
+            self._exchange_groups.add([lay.group for lay in layouts], self._whole_world(sig))
             self._resolved[sig] = (bindings, layouts)
         self._bindings, self._layouts = self._resolved[sig]
         self._binding_sig = sig
 
-    def _exchange_group(self, group):
-        """The exchange's own process group for layouts of ``group``, made once (see
-        :func:`~ds_muon.compile.exchange_group`; kept across re-sharding)."""
-        key = _group_key(group)
-        if key not in self._exchange_groups:
-            self._exchange_groups[key] = exchange_group(group)
-        return self._exchange_groups[key]
+    def _whole_world(self, sig) -> bool:
+        """Does every world rank step this optimizer (its step group is the world)?"""
+        group, size = self._agreement.group(self.process_group, self.param_groups, sig)
+        return size > 1 and size == dist.get_world_size()
 
     def attach(self, adapter: StackAdapter) -> None:
         """Describe the tensors with ``adapter`` from now on: for a stack that exists only
@@ -497,7 +493,7 @@ class Muon(Optimizer):
             key = exchange_key(layout, todo, self.param_groups)
             compiled = self._exchanges.get(key, lambda: compile_exchanges(
                 layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
-                comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_group(layout.group)))
+                comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group)))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 

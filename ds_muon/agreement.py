@@ -165,24 +165,17 @@ class Agreement:
                 # min and max in one pass: NaN and ±inf both show up in them
                 minmax[id(p)] = torch.stack(torch.aminmax(lg))
                 checks.append((k, minmax[id(p)], world > 1 and _is_replica(p)))
-        if checks:
-            mm = torch.stack([c for _, c, _ in checks])
-            ok = torch.isfinite(mm).all(dim=1).to(torch.int64)
-            host = torch.stack([ok, minmax_hash(mm)]) if world > 1 else ok.expand(2, -1)
-            ok, fp = host.cpu().tolist()  # one device-to-host copy
-            for (k, _, replica), good, h in zip(checks, ok, fp):
-                flags[k][NONFINITE] = int(not good)
-                if replica:  # its gradient must be the same on every rank
-                    flags[k][N_HASHED:] = hashed_row(h)[N_HASHED:]
         # one more row: "a wave dispatched from backward read something that changed since"
-        stale = [0] * COLUMNS
-        stale[0] = int(early is not None and early.stale(minmax))
-        flags.append(stale)
+        flags.append([0] * COLUMNS)
+        stale = early is not None and early.stale(minmax)  # a bool, or a flag still on the device
         if world > 1:
             flags.append(hashed_row(settings_hash(settings)))  # and one: every rank's settings, hashed
-            total = torch.tensor(flags, dtype=torch.int64, device=_comm_device(group))
-            dist.all_reduce(total, group=group)
-            flags = total.cpu().tolist()
+        device = _comm_device(group, _first_device(checks)) if world > 1 else _first_device(checks)
+        table = _on_device(flags, checks, stale, nrows, device)
+        if world > 1:
+            dist.all_reduce(table, group=group)
+        flags = table.tolist()  # the step's one device-to-host read
+        if world > 1:
             if hashes_differ(flags[nrows + 1]):
                 everyone = [None] * world
                 dist.all_gather_object(everyone, settings, group=group)
@@ -313,8 +306,46 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
         "rank of the mesh created with torch.distributed.new_group)")
 
 
-def _comm_device(group) -> torch.device:
+def _on_device(flags: List[List[int]], checks, stale, nrows: int, device: torch.device) -> torch.Tensor:
+    """The agreement table on ``device``: the flags known on the host, with the finite flags,
+    replica fingerprints and the stale flag written in on the device, so that reading the
+    (reduced) table is the step's only wait for the device."""
+    table = _host_to(device, flags)
+    if checks:
+        mm = torch.stack([c for _, c, _ in checks]).to(device)
+        row = _host_to(device, [k for k, _, _ in checks])
+        table[row, NONFINITE] = (~torch.isfinite(mm).all(dim=1)).to(torch.int64)
+        replica = [j for j, (_, _, rep) in enumerate(checks) if rep]
+        if replica:  # its gradient must be the same on every rank
+            pick = _host_to(device, replica)
+            h = minmax_hash(mm[pick])
+            table[row[pick], N_HASHED] = 1
+            table[row[pick], HASH] = h
+            table[row[pick], HASH_SQ] = h * h
+    if torch.is_tensor(stale):
+        table[nrows, 0] = stale.to(device=device, dtype=torch.int64)
+    else:
+        table[nrows, 0] = int(stale)
+    return table
+
+
+def _host_to(device: torch.device, values) -> torch.Tensor:
+    """int64 values from the host, copied without waiting for work already queued on the device
+    (a blocking host-to-device copy synchronizes the stream)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _first_device(checks) -> torch.device:
+    """Where the gradients are (the first non-empty one's device)."""
+    return checks[0][1].device if checks else torch.device("cpu")
+
+
+def _comm_device(group, grads_on: torch.device) -> torch.device:
+    """Where the table is reduced: the gradients' GPU when the group's backend runs collectives
+    there (NCCL: the device the parameters live on, not whichever is current), else the CPU."""
     backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
+    if grads_on.type == "cuda" and "nccl" in backend:
+        return grads_on
+    if backend == "nccl":  # no local gradient elements on this rank to tell
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -5,14 +5,17 @@ to anyway), which matrices share one batched NS call (shape and NS settings), an
 its home (:func:`~ds_muon.planner.plan_homes`, or every rank in the duplicated
 baseline); then the matrices are cut into waves of about equal NS work.  The result
 depends only on the layout, the active matrices and the settings, so the optimizer
-compiles once per :func:`exchange_key` and reuses it every step.
+compiles once per :func:`exchange_key` and reuses it (:class:`ExchangeCache`) while
+that key keeps coming back.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, NamedTuple, Optional, Tuple
+from collections import OrderedDict
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .exchange import Exchange
 from .groups import as_dtype
@@ -49,11 +52,118 @@ def exchange_key(layout: Layout, todo: List[int], param_groups) -> tuple:
     return id(layout), tuple(todo), tuple(repr(_ns_fields(g)) for g in param_groups if g["use_muon"])
 
 
+EXCHANGES_PER_LAYOUT = 4  # sets of active matrices kept compiled per layout
+
+
+class ExchangeCache:
+    """Compiled exchanges by :func:`exchange_key`, at most ``per_layout`` keys per layout.
+
+    The set of tensors with a gradient may change every step (MoE experts that get no
+    tokens, frozen parts, ``set_to_none``); each set compiles its own exchanges with
+    buffers sized for it.  Keeping every set ever seen grows memory without bound, so
+    the least recently used key of a layout is evicted and its buffers released (an
+    exchange still in flight keeps what it uses until it finishes).  A steady set of
+    active tensors stays compiled, and an evicted set simply compiles again.
+    """
+
+    def __init__(self, per_layout: int = EXCHANGES_PER_LAYOUT):
+        if per_layout < 1:
+            raise ValueError(f"ds_muon: ExchangeCache(per_layout={per_layout}) must keep at least 1 key per layout")
+        self.per_layout = per_layout
+        self._by_key: "OrderedDict[tuple, list]" = OrderedDict()  # least recently used first
+        self.compiled = 0  # how many keys were compiled (a count for tests and reports)
+
+    def get(self, key: tuple, compile_fn: Callable[[], list]) -> list:
+        """The exchanges of ``key`` (``key[0]`` names the layout), compiled on a miss."""
+        hit = self._by_key.get(key)
+        if hit is not None:
+            self._by_key.move_to_end(key)
+            return hit
+        self._evict_for(key[0])
+        out = self._by_key[key] = compile_fn()
+        self.compiled += 1
+        return out
+
+    def _evict_for(self, layout_id) -> None:
+        same = [k for k in self._by_key if k[0] == layout_id]
+        for k in same[:max(0, len(same) - self.per_layout + 1)]:
+            for ex, _ in self._by_key.pop(k):
+                ex.release()
+
+    def clear(self) -> None:
+        for lst in self._by_key.values():
+            for ex, _ in lst:
+                ex.release()
+        self._by_key.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def exchanges(self) -> List[Exchange]:
+        return [ex for lst in self._by_key.values() for ex, _ in lst]
+
+
+class ExchangeGroups:
+    """The exchange's own process groups: one per set of ranks (and backend) a layout plans in.
+
+    NCCL runs one communicator's collectives in issue order, so an exchange sharing
+    FSDP's group would hold up the next forward's all-gathers (scatters) and the
+    backward's reduce-scatters (gathers sent from backward).  ``dist.new_group`` is
+    collective over the *world*: every world rank must call it for every group, in the
+    same order, members or not.  :meth:`add` is called right after the layouts are
+    built, so
+
+    * a layout group spanning the world (every world rank just built that layout, in
+      the same order) gets its own group with no further talk;
+    * smaller groups (MoE expert domains, HSDP shard groups) get theirs only when every
+      world rank steps this optimizer (``whole_world``): then all ranks list the groups
+      they plan in (one ``all_gather_object`` per set of tensors, as the agreement does)
+      and create the union in sorted order.  Otherwise (one pipeline stage's optimizer,
+      a sub-mesh) ranks outside never get here, and the layout's own group is used.
+    """
+
+    def __init__(self):
+        self._made: Dict[tuple, Optional[dist.ProcessGroup]] = {}  # (ranks, backend) -> group (None: keep)
+
+    def add(self, groups: List[Optional[dist.ProcessGroup]], whole_world: bool) -> None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        world = dist.get_world_size()
+        wanted = [_ident(g) for g in groups]
+        wanted = [w for w in wanted if len(w[0]) > 1]
+        if whole_world:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, wanted)
+            wanted = [w for theirs in everyone for w in theirs]
+        else:
+            wanted = [w for w in wanted if len(w[0]) == world]
+        for ranks, backend in sorted(set(wanted)):
+            if (ranks, backend) not in self._made:
+                # new_group numbers ranks in sorted order; another order would move the exchange's ranks
+                ok = list(ranks) == sorted(ranks)
+                self._made[(ranks, backend)] = dist.new_group(list(ranks), backend=backend) if ok else None
+
+    def of(self, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+        """The exchange's group for a layout of ``group`` (``group`` itself when none was made)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return group
+        own = self._made.get(_ident(group))
+        return own if own is not None else group
+
+
+def _ident(group) -> Tuple[Tuple[int, ...], str]:
+    """A group as every rank can name it: its global ranks in group-rank order, and its backend."""
+    size = dist.get_world_size(group)
+    ranks = tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(size))
+    return ranks, str(dist.get_backend(group))
+
+
 def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict], *, mode: str, planner: str,
-                      cost_model: CostModel, comm_dtype: Optional[torch.dtype],
-                      waves: int) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
+                      cost_model: CostModel, comm_dtype: Optional[torch.dtype], waves: int,
+                      group: Optional[dist.ProcessGroup] = None) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
     """Plan homes and build one Exchange per (gather, scatter) dtype pair and wave; each
-    comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group."""
+    comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group;
+    ``group`` (default the layout's) is where the all_to_alls run (:class:`ExchangeGroups`)."""
     by_dtypes: Dict[tuple, List[int]] = {}
     stack_key: Dict[int, Hashable] = {}
     ns_of: Dict[Hashable, NSSettings] = {}
@@ -89,7 +199,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             homes = {i: (h,) for i, h in zip(idx, plan.homes)}
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
         for wave in split_waves(idx, cost, waves):
-            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device), ns_of))
+            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group), ns_of))
     return compiled
 
 

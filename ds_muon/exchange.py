@@ -31,6 +31,8 @@ class Exchange:
     ``homes[i]`` is a tuple of ranks for ``layout.matrices[i]``: one rank in the
     sharded mode, every rank in the duplicated baseline.  ``stack_key[i]`` groups
     matrices that may share one batched NS call at a home (shape and NS settings).
+    ``group`` (default ``layout.group``) holds the same ranks in the same order: the
+    exchange's own communicator (:class:`~ds_muon.compile.ExchangeGroups`).
     """
 
     def __init__(
@@ -42,9 +44,10 @@ class Exchange:
         gather_dtype: torch.dtype,
         scatter_dtype: torch.dtype,
         device: torch.device,
+        group=None,
     ):
         self.layout = layout
-        self.group = layout.group
+        self.group = group if group is not None else layout.group  # same ranks, same order
         self.world = layout.world_size
         self.rank = r = layout.rank
         self.active = list(active)
@@ -177,6 +180,19 @@ class Exchange:
         return out
 
     # -- helpers --------------------------------------------------------------
+    def release(self) -> None:
+        """Drop the buffers kept across steps (an evicted exchange); a later use allocates anew,
+        and a gather or scatter in flight keeps the tensors it holds until it finishes."""
+        self._buffers.clear()
+
+    def buffer_bytes(self) -> int:
+        """Bytes held in buffers kept across steps (for memory reports and tests)."""
+        out = 0
+        for buf in self._buffers.values():
+            for t in (buf.values() if isinstance(buf, dict) else [buf]):
+                out += t.numel() * t.element_size()
+        return out
+
     def _home_view(self, stacks, seg: _Segment) -> torch.Tensor:
         key, j = self.slot[seg.matrix]
         return seg.piece.view_in(stacks[key][j].view(-1))

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
 from .agreement import Agreement, settings_of
-from .compile import NSSettings, compile_exchanges, exchange_key
+from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
@@ -146,7 +146,8 @@ class Muon(Optimizer):
         self._binding_sig: Optional[tuple] = None
         self._layouts: List[Layout] = []
         self._resolved: Dict[tuple, tuple] = {}
-        self._exchanges: Dict[tuple, Tuple[Exchange, list]] = {}
+        self._exchanges = ExchangeCache()
+        self._exchange_groups = ExchangeGroups()  # the exchange's own process groups, kept across re-sharding
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
 
@@ -277,9 +278,15 @@ class Muon(Optimizer):
                     by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend(
                         (b, s) for s in b.matrices if math.prod(s.matrix_shape))
             layouts = [build_layout(entries, group) for group, entries in by_group.values()]
+            self._exchange_groups.add([lay.group for lay in layouts], self._whole_world(sig))
             self._resolved[sig] = (bindings, layouts)
         self._bindings, self._layouts = self._resolved[sig]
         self._binding_sig = sig
+
+    def _whole_world(self, sig) -> bool:
+        """Does every world rank step this optimizer (its step group is the world)?"""
+        group, size = self._agreement.group(self.process_group, self.param_groups, sig)
+        return size > 1 and size == dist.get_world_size()
 
     def attach(self, adapter: StackAdapter) -> None:
         """Describe the tensors with ``adapter`` from now on: for a stack that exists only
@@ -479,15 +486,15 @@ class Muon(Optimizer):
 
     def _plan(self, work, group_of) -> List[_Job]:
         """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.compile`),
-        planned on first use and cached while the layout and NS settings stay."""
+        planned on first use and cached (a few sets of active matrices per layout) while the
+        layout and NS settings stay."""
         jobs = []
         for layout, todo in work:
             key = exchange_key(layout, todo, self.param_groups)
-            if key not in self._exchanges:
-                self._exchanges[key] = compile_exchanges(
-                    layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
-                    comm_dtype=self.comm_dtype, waves=self.waves)
-            jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in self._exchanges[key])
+            compiled = self._exchanges.get(key, lambda: compile_exchanges(
+                layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
+                comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group)))
+            jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 
     def _gather(self, jobs: List[_Job], group_of) -> list:
@@ -618,8 +625,8 @@ class Muon(Optimizer):
 
     # -- introspection --------------------------------------------------------
     def exchanges(self) -> List[Exchange]:
-        """The compiled exchanges (for reports and tests)."""
-        return [ex for lst in self._exchanges.values() for ex, _ in lst]
+        """The compiled exchanges now cached (for reports and tests)."""
+        return self._exchanges.exchanges()
 
 
 

@@ -115,3 +115,62 @@ def _submesh_worker(rank, world):
 
 def test_fsdp2_on_a_sub_mesh_steps_in_the_mesh_group():
     assert dist_harness.run(_submesh_worker, 2, timeout=60) == [True, None]
+
+
+READS = ("cpu", "item", "tolist", "__bool__", "__int__", "__float__")
+
+
+def count_host_reads(fn):
+    """Calls to what makes the host wait for a tensor's value (``.cpu()``, ``.item()``, ``.tolist()``,
+    ``bool()``/``int()``/``float()`` of a tensor, ``torch.equal``) while ``fn`` runs."""
+    count = [0]
+    saved = {k: getattr(torch.Tensor, k) for k in READS}
+    saved_equal = torch.equal
+
+    def counted(f):
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            return f(*args, **kwargs)
+        return wrapper
+
+    try:
+        for k, f in saved.items():
+            setattr(torch.Tensor, k, counted(f))
+        torch.equal = counted(saved_equal)
+        fn()
+    finally:
+        for k, f in saved.items():
+            setattr(torch.Tensor, k, f)
+        torch.equal = saved_equal
+    return count[0]
+
+
+def _reads_worker(rank, world):
+    ps = _params()[:2]
+    opt = ds_muon.Muon(ps, lr=0.02)
+    reads = []
+    for t in range(3):
+        _set_grads(ps, t)
+        reads.append(count_host_reads(opt.step))
+    return reads
+
+
+def _overlap_reads():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12, bias=False), nn.Linear(12, 8, bias=False))
+    opt = ds_muon.Muon(model.parameters(), lr=0.02, overlap=True, model=model, waves=2)
+    reads = []
+    for t in range(4):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(t))).square().sum().backward()
+        reads.append(count_host_reads(opt.step))
+        model.zero_grad(set_to_none=True)
+    return reads, opt._dispatch.dispatched
+
+
+def test_one_host_read_per_step():
+    """The step waits for the device once: the agreement's table (finite flags, replica fingerprints,
+    "an early dispatch is stale") is filled and reduced on the device and read back once."""
+    for reads in dist_harness.run(_reads_worker, 2):  # the first step also builds layouts (object collectives)
+        assert reads[1:] == [1, 1], reads
+    reads, dispatched = _overlap_reads()  # gathers sent from backward: their staleness is read along
+    assert dispatched > 0 and reads[1:] == [1] * 3, (reads, dispatched)

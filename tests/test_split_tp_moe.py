@@ -384,7 +384,11 @@ def _moe_worker(rank, world):
         else:
             opt.step()
     out = {"params": (dense.detach().clone(), experts.detach().clone(), bias.detach().clone()), "lohi": (lo, hi),
-           "counts": counts, "layouts": sorted((lay.world_size, len(lay.matrices)) for lay in opt._layouts)}
+           "counts": counts, "layouts": sorted((lay.world_size, len(lay.matrices)) for lay in opt._layouts),
+           # every world rank steps this optimizer, so the expert domains' exchanges get groups of their own too
+           "own_groups": all(ex.group is not ex.layout.group and dist.get_process_group_ranks(ex.group)
+                             == dist.get_process_group_ranks(ex.layout.group or dist.group.WORLD)
+                             for ex in opt.exchanges())}
     # experts of EP rank 1 got no tokens (no grad on either replica): they are skipped, nothing raises
     before = experts.detach().clone()
     set_grads(STEPS, skip_experts=ep_rank == 1)
@@ -424,6 +428,7 @@ def test_moe_domains_parity_and_agreement_w4():
         # dense domain: replicated, results scattered once; expert domain: one exchange each way
         assert r["counts"] == sorted([(0, 1, 2, 3), edp, edp]), r["counts"]
         assert r["layouts"] == [(2, 2), (4, 1)], r["layouts"]
+        assert r["own_groups"]
         assert r["skipped_unchanged"]
         assert r["mismatch"] and "experts" in r["mismatch"] and "domain of ranks [0, 2]" in r["mismatch"]
         assert "gradient on 1 rank(s) and none on 1" in r["mismatch"]

@@ -156,10 +156,12 @@ class BackwardDispatch:
             e.seen = _snapshot(self._waves[k].params)
 
     # -- step -----------------------------------------------------------------------------------
-    def stale(self, minmax: Dict[int, torch.Tensor]) -> bool:
+    def stale(self, minmax: Dict[int, torch.Tensor]):
         """Did anything an early dispatch read change since the end of backward?  ``minmax``
         holds each local gradient's (min, max) as the step computed them.  (Local; the
-        optimizer agrees on the answer across ranks in its gradient check.)"""
+        optimizer agrees on the answer across ranks in its gradient check.)  A bool, or a
+        0-d tensor on the gradients' device when only the extremes can tell: the check
+        reads it with everything else, in its one device-to-host read."""
         before, now = [], []
         for k, e in self._early.items():
             if e.seen is None or self._hyper(set(self._waves[k].params)) != e.hyper:
@@ -172,7 +174,10 @@ class BackwardDispatch:
                         return True
                     before.append(extremes)
                     now.append(minmax[id(q)])
-        return bool(before) and not torch.equal(torch.stack(before), torch.stack(now))
+        if not before:
+            return False
+        # != also flags NaN extremes (NaN is unequal to itself), as torch.equal did
+        return (torch.stack(before) != torch.stack(now)).any()
 
     def claim(self, exchanges: List[object]) -> Dict[int, tuple]:
         """The in-flight gathers of these exchanges (by id), with their momentum committed;

@@ -700,8 +700,10 @@ def _placeholder_like(p: torch.Tensor) -> torch.Tensor:
 
 
 def _placement_sig(p: torch.Tensor):
+    """Shape and (DTensor) placements: placements are hashable values, compared as they are
+    (the step computes this for every tensor)."""
     placements = getattr(p, "placements", None)
-    return (tuple(str(x) for x in placements), tuple(p.shape)) if placements is not None else tuple(p.shape)
+    return (placements, p.shape) if placements is not None else p.shape
 
 
 def _group_key(group):

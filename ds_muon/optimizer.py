@@ -603,12 +603,17 @@ class Muon(Optimizer):
         a learning rate, decay and scale at once.  Learning rates and decay are read now, at
         step time, so a scheduler stepping before a deferred apply cannot change this step's update."""
         updates: Dict[tuple, List[tuple]] = {}  # (decay, alpha) -> [(matrix, binding, offset, numel)]
+        known: Dict[tuple, tuple] = {}  # (group, shape, transposed) -> (decay, alpha)
         for i in ex.active:
             b, slot = layout.local[i]
             piece = slot.piece
             if piece is None or piece.numel == 0:
                 continue
-            coefficients = apply_coefficients(group_of[id(b.param)], slot.matrix_shape, slot.transposed)
+            g = group_of[id(b.param)]
+            kind = (id(g), slot.shape, slot.transposed)
+            coefficients = known.get(kind)
+            if coefficients is None:
+                coefficients = known[kind] = apply_coefficients(g, slot.matrix_shape, slot.transposed)
             updates.setdefault(coefficients, []).append((i, b, slot.local_offset, piece.numel))
 
         @torch.no_grad()  # may run later, from a forward pre-hook
@@ -655,14 +660,14 @@ class _Flats:
     several times.  Lives for one step (or one deferred apply), while the tensors stay."""
 
     def __init__(self):
-        self._cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: Dict[int, torch.Tensor] = {}
+        self._kept: List[torch.Tensor] = []  # keeps each cached tensor alive, so its id stays its own
 
     def __call__(self, binding: Optional[ParamBinding], t: torch.Tensor) -> torch.Tensor:
-        hit = self._cache.get(id(t))
-        if hit is not None and hit[0] is t:
-            return hit[1]
-        view = binding.flat(t) if binding is not None else local_shard(t)
-        self._cache[id(t)] = (t, view)
+        view = self._views.get(id(t))
+        if view is None:
+            view = self._views[id(t)] = binding.flat(t) if binding is not None else local_shard(t)
+            self._kept.append(t)
         return view
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import statistics
 import time
@@ -87,33 +88,38 @@ def _build(stack: str, n: int):
     return train_step, opt
 
 
-def _measure(stack: str, n: int, iters: int, warmup: int) -> tuple:
+def _measure(stack: str, n: int, iters: int, warmup: int, freeze_gc: bool = False) -> tuple:
     train_step, muon = _build(stack, n)
+    if freeze_gc:  # the model's objects out of the collector's way: what is left is the step's own work
+        gc.collect()
+        gc.freeze()
     record: List[tuple] = []
     muon.step = _timed(muon.step, record)
     g = torch.Generator().manual_seed(0)
     for _ in range(warmup + iters):
         train_step(torch.randn(4, DIM, generator=g))
     walls, cpus = zip(*record[warmup:])
+    if freeze_gc:
+        gc.unfreeze()
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _worker(rank, world, stack, sizes, iters, warmup):
+def _worker(rank, world, stack, sizes, iters, warmup, freeze_gc):
     out = {}
     for n in sizes:
-        t = torch.tensor(_measure(stack, n, iters, warmup), dtype=torch.float64)
+        t = torch.tensor(_measure(stack, n, iters, warmup, freeze_gc), dtype=torch.float64)
         if world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[n] = tuple(t.tolist())
     return out
 
 
-def run_stack(stack: str, sizes, iters: int, warmup: int) -> dict:
+def run_stack(stack: str, sizes, iters: int, warmup: int, freeze_gc: bool = False) -> dict:
     if stack == "single":
         with dist_harness.one_thread():
-            return {n: _measure(stack, n, iters, warmup) for n in sizes}
+            return {n: _measure(stack, n, iters, warmup, freeze_gc) for n in sizes}
     env = {"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1"}
-    return dist_harness.run(_worker, 2, stack, sizes, iters, warmup, timeout=1800, env=env)[0]
+    return dist_harness.run(_worker, 2, stack, sizes, iters, warmup, freeze_gc, timeout=1800, env=env)[0]
 
 
 def main():
@@ -122,15 +128,19 @@ def main():
     ap.add_argument("--sizes", default="20,2000", help="two matrix counts: small,large")
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--freeze-gc", action="store_true",
+                    help="gc.freeze() after building the model: Python's collector then no longer rescans the "
+                         "model's objects during the step (part of the cost per matrix without it)")
     args = ap.parse_args()
     small, large = (int(s) for s in args.sizes.split(","))
     header(f"Host time of Muon.step() per matrix: {small} vs {large} matrices of {DIM}x{DIM}, W=2 gloo ranks "
-           f"(single: one process); medians of {args.iters} steps, slowest rank")
+           f"(single: one process); medians of {args.iters} steps, slowest rank"
+           + (", gc frozen" if args.freeze_gc else ""))
     rows = []
     for stack in args.stacks.split(","):
         if stack not in STACKS:
             raise SystemExit(f"unknown stack {stack!r}; use one of {STACKS}")
-        res = run_stack(stack, (small, large), args.iters, args.warmup)
+        res = run_stack(stack, (small, large), args.iters, args.warmup, args.freeze_gc)
         (ws, cs), (wl, cl) = res[small], res[large]
         per = 1e6 / (large - small)
         rows.append([stack, ws * 1e3, wl * 1e3, cs * 1e3, cl * 1e3, (wl - ws) * per, (cl - cs) * per])

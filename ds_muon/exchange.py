@@ -117,17 +117,19 @@ class Exchange:
         """``local[i]``: this rank's piece of matrix i, flat.  Pack and issue the gather
         all_to_all without waiting (other domains' exchanges can be issued meanwhile);
         :meth:`gather_finish` waits and returns the home stacks ``{key: [k, rows, cols]}``
-        filled with the full matrices."""
+        filled with the full matrices.  Copies are one ``torch._foreach_copy_`` per direction
+        into views of the kept buffers made once, not one copy call per piece."""
         stacks = self._buffer("stacks", lambda: {
             key: torch.empty((len(idx), self.layout.matrices[idx[0]].rows, self.layout.matrices[idx[0]].cols),
                              dtype=self.gather_dtype, device=self.device)
             for key, idx in self.stacks.items()})
-        for seg in self.self_gather:
-            self._home_view(stacks, seg).copy_(local[seg.matrix].view(seg.piece.rows, seg.piece.length))
+        if self.self_gather:
+            homes = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
+            _copy_all(homes, [local[seg.matrix] for seg in self.self_gather])
         if not self.gather_traffic:
             return stacks, None, None
         send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
-                          lambda seg: local[seg.matrix])
+                          [local[seg.matrix] for lst in self.send_g for seg in lst])
         recv = self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
                                                           device=self.device))
         work = dist.all_to_all_single(recv, send, self.split_recv_g, self.split_send_g, group=self.group,
@@ -139,29 +141,25 @@ class Exchange:
         if work is None:
             return stacks
         work[0].wait()
-        off = 0
-        for lst in self.recv_g:
-            for seg in lst:
-                n = seg.piece.numel
-                self._home_view(stacks, seg).copy_(recv[off:off + n].view(seg.piece.rows, seg.piece.length))
-                off += n
+        homes, parts = self._buffer("recv_g_views", lambda: (
+            [self._flat_home_view(stacks, seg) for lst in self.recv_g for seg in lst],
+            _slices(recv, [seg.piece.numel for lst in self.recv_g for seg in lst])))
+        _copy_all(homes, parts)
         return stacks
 
     # -- scatter --------------------------------------------------------------
     def scatter_start(self, results: Dict[Hashable, torch.Tensor]):
         """``results``: the home stacks after NS (contiguous).  Pack and issue the scatter
         all_to_all without waiting; :meth:`scatter_finish` waits and returns, for each matrix
-        this rank holds a piece of, that piece of the result as ``[rows, length]``."""
-        out: Dict[int, torch.Tensor] = {}
-        mine = self.layout.matrices
-        for i in self.active:
-            piece = mine[i].pieces[self.rank]
-            if piece is not None and piece.numel > 0 and self.rank in self.homes[i]:
-                out[i] = self._home_view(results, _Segment(i, piece))
+        this rank holds a piece of, that piece of the result: flat, or ``[rows, length]`` when
+        it is not contiguous in the stack."""
+        cuts = self._buffer("cuts", self._compile_cuts)
+        pieces = {key: _pieces(results[key], cut) for key, cut in cuts.items()}
+        out = {i: pieces[key][k] for i, (key, k) in self._own_cuts.items()}
         if not self.scatter_traffic:
             return out, None, None
         send = self._pack("send_s", self.send_s, self.split_send_s, self.scatter_dtype,
-                          lambda seg: self._home_view(results, seg))
+                          [pieces[key][k] for key, k in self._send_cuts])
         recv = self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
                                                           device=self.device))
         work = dist.all_to_all_single(recv, send, self.split_recv_s, self.split_send_s, group=self.group,
@@ -174,9 +172,9 @@ class Exchange:
             return out
         work[0].wait()
         mine = self.layout.matrices
-        for i, off in self.recv_offset.items():
-            piece = mine[i].pieces[self.rank]
-            out[i] = recv[off:off + piece.numel].view(piece.rows, piece.length)
+        views = self._buffer("recv_s_views", lambda: dict(zip(
+            self.recv_offset, _slices(recv, [mine[i].pieces[self.rank].numel for i in self.recv_offset]))))
+        out.update(views)
         return out
 
     # -- helpers --------------------------------------------------------------
@@ -197,6 +195,57 @@ class Exchange:
         key, j = self.slot[seg.matrix]
         return seg.piece.view_in(stacks[key][j].view(-1))
 
+    def _flat_home_view(self, stacks, seg: _Segment) -> torch.Tensor:
+        """Where ``seg`` lands in the home stacks: flat when contiguous there (as the pieces are)."""
+        view = self._home_view(stacks, seg)
+        return view.view(-1) if seg.piece.contiguous else view
+
+    def _compile_cuts(self) -> Dict[Hashable, tuple]:
+        """How to cut each result stack into the pieces this rank keeps or sends, in one
+        ``split`` per stack: ``{key: (split sizes, which parts are pieces, strided pieces)}``.
+        Pieces are identical (replicas) or disjoint; a strided one (a column block) is a view
+        of its own.  Records where each piece is (``_own_cuts``, ``_send_cuts``)."""
+        spans: Dict[Hashable, Dict[tuple, int]] = {}  # key -> {(start, end) or piece: part}
+        where = {}
+
+        def part(seg: _Segment) -> Tuple[Hashable, int]:
+            key, j = self.slot[seg.matrix]
+            m = self.layout.matrices[seg.matrix]
+            span = ((j * m.numel + seg.piece.offset, j * m.numel + seg.piece.offset + seg.piece.numel)
+                    if seg.piece.contiguous else (j, seg.piece))
+            parts = spans.setdefault(key, {})
+            if span not in parts:
+                parts[span] = len(parts)
+            return key, parts[span]
+
+        mine = self.layout.matrices
+        own = [i for i in self.active if mine[i].pieces[self.rank] is not None
+               and mine[i].pieces[self.rank].numel > 0 and self.rank in self.homes[i]]
+        for i in own:
+            where[i] = part(_Segment(i, mine[i].pieces[self.rank]))
+        sends = [part(seg) for lst in self.send_s for seg in lst]
+        cuts = {}
+        for key, by_span in spans.items():
+            contiguous = sorted((s, k) for s, k in by_span.items() if isinstance(s[1], int))
+            sizes, order, pos = [], {}, 0
+            for (start, end), k in contiguous:
+                if start > pos:
+                    sizes.append(start - pos)
+                order[k] = len(sizes)
+                sizes.append(end - start)
+                pos = end
+            total = self.stacks_numel(key)
+            if total > pos:
+                sizes.append(total - pos)
+            strided = {k: s for s, k in by_span.items() if not isinstance(s[1], int)}
+            cuts[key] = (sizes, order, strided, len(by_span))
+        self._own_cuts, self._send_cuts = where, sends
+        return cuts
+
+    def stacks_numel(self, key: Hashable) -> int:
+        idx = self.stacks[key]
+        return len(idx) * self.layout.matrices[idx[0]].numel
+
     def _buffer(self, name: str, make):
         """A buffer kept across steps: its sizes are fixed by the compiled exchange, and every
         use of the previous step's contents (waits, deferred applies) ends before the next step."""
@@ -205,13 +254,36 @@ class Exchange:
             buf = self._buffers[name] = make()
         return buf
 
-    def _pack(self, name, segs, splits, dtype, source) -> torch.Tensor:
+    def _pack(self, name, segs, splits, dtype, sources: List[torch.Tensor]) -> torch.Tensor:
+        """``sources`` (one per segment of ``segs``, in order) copied into the kept send buffer."""
         buf = self._buffer(name, lambda: torch.empty(sum(splits), dtype=dtype, device=self.device))
-        off = 0
-        for lst in segs:
-            for seg in lst:
-                n = seg.piece.numel
-                buf[off:off + n].view(seg.piece.rows, seg.piece.length).copy_(
-                    source(seg).reshape(seg.piece.rows, seg.piece.length))
-                off += n
+        views = self._buffer(name + "_views", lambda: _slices(buf, [seg.piece.numel for lst in segs for seg in lst]))
+        _copy_all(views, sources)
         return buf
+
+
+def _slices(flat: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
+    """``flat`` cut into consecutive pieces of ``sizes`` (views)."""
+    total = sum(sizes)
+    return list(flat[:total].split(sizes)) if sizes else []
+
+
+def _pieces(stack: torch.Tensor, cut: tuple) -> List[torch.Tensor]:
+    """The parts of one result stack named by :meth:`Exchange._compile_cuts`, by part number."""
+    sizes, order, strided, n = cut
+    parts = stack.view(-1).split(sizes) if order else ()
+    out: List[torch.Tensor] = [None] * n  # type: ignore[list-item]
+    for k, at in order.items():
+        out[k] = parts[at]
+    for k, (j, piece) in strided.items():
+        out[k] = piece.view_in(stack[j].view(-1))
+    return out
+
+
+def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``dst[k].copy_(src[k])`` for all k in one call; a 2-D (strided) destination reads its
+    flat source as ``[rows, length]``."""
+    if not dst:
+        return
+    src = [s if d.dim() == s.dim() else s.reshape(d.shape) for d, s in zip(dst, src)]
+    torch._foreach_copy_(dst, src)

@@ -150,6 +150,7 @@ class Muon(Optimizer):
         self._exchange_groups = ExchangeGroups()  # the exchange's own process groups, kept across re-sharding
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
+        self._flats: Optional[_Flats] = None  # during a step: each tensor's flat local data
 
     # -- overlap settings (the keywords Muon takes), read-only ---------------------
     @property
@@ -335,6 +336,14 @@ class Muon(Optimizer):
         self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
+        self._flats = _Flats()  # each tensor's local data, flattened once this step
+        try:
+            return self._stages(loss)
+        finally:
+            self._flats = None
+
+    def _stages(self, loss):
+        """The stages of :meth:`step`, in order (see the module docstring)."""
         active = self._check()  # 1. which tensors step, agreed by every rank
         if active is None:
             return loss
@@ -381,9 +390,9 @@ class Muon(Optimizer):
         return self._agreement.group(self.process_group, self.param_groups, self._binding_sig)
 
     def _flat(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """This rank's flat local data of ``t``: ``p`` itself, its gradient or a state tensor."""
-        b = self._bindings.get(id(p))
-        return b.flat(t) if b is not None else local_shard(t)
+        """This rank's flat local data of ``t``: ``p`` itself, its gradient or a state tensor
+        (once per tensor and step)."""
+        return (self._flats or _Flats())(self._bindings.get(id(p)), t)
 
     def _check_gradients(self) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes
@@ -525,29 +534,41 @@ class Muon(Optimizer):
                 params = _params_of(j.layout, j.exchange.active)
                 self._deferred.add(list(params), apply, list(params.values()))
             else:
-                apply()
+                apply(self._flats)
 
     def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True, group_of=None):
-        """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov.
+        """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov,
+        for all pieces of a param group at once (:func:`~ds_muon.update.ns_input`).
 
         With ``commit=False`` (a dispatch from backward) the momentum buffers are left
         alone and ``(buffer slice, new value)`` pairs are returned for :meth:`step` to
         commit once the gradients are known to be good.  Returns ``(pieces, commits)``.
         """
-        pieces: Dict[int, torch.Tensor] = {}
-        commits = []
+        flat = self._flats or _Flats()
         group_of = group_of or self._muon_groups()
+        by_group: Dict[int, tuple] = {}  # id(group) -> (group, matrices, grads, buffers, params)
         for i in ex.active:
             b, slot = layout.local[i]
-            if slot.piece is None or slot.piece.numel == 0:
+            piece = slot.piece
+            if piece is None or piece.numel == 0:
                 continue
             p = b.param
             g = group_of[id(p)]
-            sl = slice(slot.local_offset, slot.local_offset + slot.piece.numel)
-            buf = b.flat(self.state[p]["momentum_buffer"])[sl]
-            pieces[i], new = ns_input(b.flat(p.grad)[sl], buf, b.flat(p)[sl], g, commit)
+            lists = by_group.get(id(g))
+            if lists is None:
+                lists = by_group[id(g)] = (g, [], [], [], [])
+            off, n = slot.local_offset, piece.numel
+            lists[1].append(i)
+            lists[2].append(_piece_of(flat(b, p.grad), off, n))
+            lists[3].append(_piece_of(flat(b, self.state[p]["momentum_buffer"]), off, n))
+            lists[4].append(_piece_of(flat(b, p), off, n))
+        pieces: Dict[int, torch.Tensor] = {}
+        commits = []
+        for g, idx, grads, bufs, params in by_group.values():
+            inputs, new = ns_input(grads, bufs, params, g, commit)
+            pieces.update(zip(idx, inputs))
             if not commit:
-                commits.append((buf, new))
+                commits.extend(zip(bufs, new))
         return pieces, commits
 
     def _muon_groups(self) -> Dict[int, dict]:
@@ -585,23 +606,32 @@ class Muon(Optimizer):
             self._dispatch.drain()
 
     def _applier(self, layout: Layout, ex: Exchange, pending, group_of) -> Callable[[], None]:
-        """Finish one exchange's scatter and apply its results in place.  Learning rates and
-        decay are read now, at step time, so a scheduler stepping before a deferred apply
-        cannot change this step's update."""
-        updates = []
+        """Finish one exchange's scatter and apply its results in place, all pieces that share
+        a learning rate, decay and scale at once.  Learning rates and decay are read now, at
+        step time, so a scheduler stepping before a deferred apply cannot change this step's update."""
+        updates: Dict[tuple, List[tuple]] = {}  # (decay, alpha) -> [(matrix, binding, offset, numel)]
+        known: Dict[tuple, tuple] = {}  # (group, shape, transposed) -> (decay, alpha)
         for i in ex.active:
             b, slot = layout.local[i]
-            if slot.piece is None or slot.piece.numel == 0:
+            piece = slot.piece
+            if piece is None or piece.numel == 0:
                 continue
-            decay, alpha = apply_coefficients(group_of[id(b.param)], slot.matrix_shape, slot.transposed)
-            updates.append((i, b, slot, decay, alpha))
+            g = group_of[id(b.param)]
+            kind = (id(g), slot.shape, slot.transposed)
+            coefficients = known.get(kind)
+            if coefficients is None:
+                coefficients = known[kind] = apply_coefficients(g, slot.matrix_shape, slot.transposed)
+            updates.setdefault(coefficients, []).append((i, b, slot.local_offset, piece.numel))
 
         @torch.no_grad()  # may run later, from a forward pre-hook
-        def apply():
+        def apply(flat: Optional[_Flats] = None):
+            """``flat``: the step's views when applied within it; deferred, the tensors' local data now.
+            (No reference to the optimizer: a dropped optimizer's deferred updates must not keep it alive.)"""
             results = ex.scatter_finish(pending)
-            for i, b, slot, decay, alpha in updates:
-                param = b.flat(b.param)[slot.local_offset:slot.local_offset + slot.piece.numel]
-                apply_result(param, results[i], decay, alpha)
+            flat = flat or _Flats()
+            for (decay, alpha), pieces in updates.items():
+                apply_result([_piece_of(flat(b, b.param), off, n) for _, b, off, n in pieces],
+                             [results[i] for i, _, _, _ in pieces], decay, alpha)
 
         return apply
 
@@ -629,6 +659,28 @@ class Muon(Optimizer):
         return self._exchanges.exchanges()
 
 
+
+
+class _Flats:
+    """Each tensor's flat local data (``binding.flat``), computed once: a DTensor's
+    ``to_local()`` and the views cost host time per call, and a step reads each tensor's
+    several times.  Lives for one step (or one deferred apply), while the tensors stay."""
+
+    def __init__(self):
+        self._views: Dict[int, torch.Tensor] = {}
+        self._kept: List[torch.Tensor] = []  # keeps each cached tensor alive, so its id stays its own
+
+    def __call__(self, binding: Optional[ParamBinding], t: torch.Tensor) -> torch.Tensor:
+        view = self._views.get(id(t))
+        if view is None:
+            view = self._views[id(t)] = binding.flat(t) if binding is not None else local_shard(t)
+            self._kept.append(t)
+        return view
+
+
+def _piece_of(flat: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """``flat[offset:offset + numel]``, without a new view when that is all of it."""
+    return flat if offset == 0 and numel == flat.numel() else flat[offset:offset + numel]
 
 
 def _fsdp1_view(p: torch.Tensor) -> bool:
@@ -660,8 +712,10 @@ def _placeholder_like(p: torch.Tensor) -> torch.Tensor:
 
 
 def _placement_sig(p: torch.Tensor):
+    """Shape and (DTensor) placements: placements are hashable values, compared as they are
+    (the step computes this for every tensor)."""
     placements = getattr(p, "placements", None)
-    return (tuple(str(x) for x in placements), tuple(p.shape)) if placements is not None else tuple(p.shape)
+    return (placements, p.shape) if placements is not None else p.shape
 
 
 def _group_key(group):

@@ -7,29 +7,35 @@ bitwise equal.  ``group`` is the tensor's param group (read, never written).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from .scaling import get_muon_scale_factor
 
 
-def ns_input(grad: torch.Tensor, buf: torch.Tensor, param: torch.Tensor, group: dict,
-             commit: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-    """What NS orthogonalizes, from a piece of the gradient, momentum buffer and parameter:
-    L2 weight decay (``weight_decay_mode="l2"``), the momentum lerp, then Nesterov.
+def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[torch.Tensor], group: dict,
+             commit: bool = True) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """What NS orthogonalizes, from pieces of gradients, momentum buffers and parameters
+    (lists of flat tensors of equal sizes, all of one param group ``group``): L2 weight decay
+    (``weight_decay_mode="l2"``), the momentum lerp, then Nesterov.
 
-    ``commit=True`` updates ``buf`` in place; ``commit=False`` leaves it alone (a wave sent
+    One ``torch._foreach_*`` call per operation for all the pieces (the same arithmetic per
+    element as the single-tensor ops, so results do not depend on how pieces are batched).
+    ``commit=True`` updates ``bufs`` in place; ``commit=False`` leaves them alone (a wave sent
     from backward commits only once the step has agreed the gradients are good).
-    Returns ``(input, new momentum)``.
+    Returns ``(inputs, new momenta)``.
     """
+    if not grads:
+        return [], []
     if group["weight_decay"] and group["weight_decay_mode"] == "l2":
-        grad = grad.add(param, alpha=group["weight_decay"])
+        grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
     if commit:
-        new = buf.lerp_(grad, 1 - group["momentum"])
+        torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
+        new = list(bufs)
     else:
-        new = buf.lerp(grad, 1 - group["momentum"])
-    return (grad.lerp(new, group["momentum"]) if group["nesterov"] else new), new
+        new = list(torch._foreach_lerp(bufs, grads, 1 - group["momentum"]))
+    return (list(torch._foreach_lerp(grads, new, group["momentum"])) if group["nesterov"] else new), new
 
 
 def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: bool) -> Tuple[Optional[float], float]:
@@ -47,8 +53,12 @@ def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: b
     return decay, alpha
 
 
-def apply_result(param: torch.Tensor, result: torch.Tensor, decay: Optional[float], alpha: float) -> None:
-    """``param = param * decay + alpha * result``, in place on the rank's piece."""
+def apply_result(params: List[torch.Tensor], results: List[torch.Tensor], decay: Optional[float],
+                 alpha: float) -> None:
+    """``param = param * decay + alpha * result`` in place, for pieces (flat) that share
+    ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation."""
+    if not params:
+        return
     if decay is not None:
-        param.mul_(decay)
-    param.add_(result.reshape(-1), alpha=alpha)
+        torch._foreach_mul_(params, decay)
+    torch._foreach_add_(params, [r if r.dim() == 1 else r.reshape(-1) for r in results], alpha=alpha)

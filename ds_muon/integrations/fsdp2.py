@@ -53,11 +53,19 @@ def _fully_sharded(model) -> set:
 
 
 def is_dtensor(t) -> bool:
+    return _DTENSOR is not None and isinstance(t, _DTENSOR)
+
+
+def _dtensor_class():
+    """DTensor, looked up once (the step asks per tensor, several times)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_class()
 
 
 def _dtensor_flat(t: torch.Tensor) -> torch.Tensor:

@@ -184,11 +184,13 @@ class Exchange:
         self._buffers.clear()
 
     def buffer_bytes(self) -> int:
-        """Bytes held in buffers kept across steps (for memory reports and tests)."""
+        """Bytes held in buffers kept across steps (for memory reports and tests): the stacks and
+        the send/receive buffers; the views and cut lists kept beside them alias those bytes."""
         out = 0
         for buf in self._buffers.values():
             for t in (buf.values() if isinstance(buf, dict) else [buf]):
-                out += t.numel() * t.element_size()
+                if torch.is_tensor(t) and t._base is None:
+                    out += t.numel() * t.element_size()
         return out
 
     def _home_view(self, stacks, seg: _Segment) -> torch.Tensor:

@@ -81,23 +81,31 @@ def test_changing_active_sets_keep_compiled_exchanges_bounded():
         assert max(b for _, b in held) <= EXCHANGES_PER_LAYOUT * all_active_bytes
 
 
-def _own_group_worker(rank, world):
-    import torch.distributed as dist
-
-    pair = dist.new_group([0, 1])  # every rank creates it; only ranks 0 and 1 step on it
-    mats = [nn.Parameter(m) for m in _initial()[0]]
-    opt = ds_muon.Muon(mats, lr=0.05, ns_dtype=torch.float32)
+def _two_steps(**options):
+    """The engine tests' matrices after two steps of their gradients; (parameters, optimizer)."""
     from test_sharded_engine import _grads
 
+    mats = [nn.Parameter(m) for m in _initial()[0]]
+    opt = ds_muon.Muon(mats, lr=0.05, ns_dtype=torch.float32, **options)
     for t in range(2):
         for p, g in zip(mats, _grads(t)[0]):
             p.grad = g
         opt.step()
+    return mats, opt
+
+
+def _own_group_worker(rank, world):
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])  # every rank creates it; only ranks 0 and 1 step on it
+    mats, opt = _two_steps()
     groups = {id(ex.group) for ex in opt.exchanges()}
     (ex,) = opt.exchanges()
     out = {"whole": [m.detach().clone() for m in mats], "own": len(groups) == 1 and ex.group is not None
            and ex.group is not dist.group.WORLD, "ranks": dist.get_process_group_ranks(ex.group)}
     if rank < 2:  # a smaller group: rank 2 never steps this optimizer, so no world collective may be needed
+        from test_sharded_engine import _grads
+
         sub = [nn.Parameter(m) for m in _initial()[0]]
         opt2 = ds_muon.Muon(sub, lr=0.05, ns_dtype=torch.float32, process_group=pair)
         for p, g in zip(sub, _grads(0)[0]):
@@ -112,14 +120,7 @@ def test_exchange_runs_on_its_own_group():
     collectives and the exchange do not queue on one communicator; a layout over a smaller group
     (ranks outside never step it) keeps that group instead of a world collective that would hang."""
     with dist_harness.one_thread():
-        mats = [nn.Parameter(m) for m in _initial()[0]]
-        opt = ds_muon.Muon(mats, lr=0.05, ns_dtype=torch.float32)
-        from test_sharded_engine import _grads
-
-        for t in range(2):
-            for p, g in zip(mats, _grads(t)[0]):
-                p.grad = g
-            opt.step()
+        mats, _ = _two_steps()
     results = dist_harness.run(_own_group_worker, 3, timeout=90)
     for rank, out in enumerate(results):
         assert out["own"] and out["ranks"] == [0, 1, 2]

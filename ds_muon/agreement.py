@@ -118,10 +118,12 @@ class Agreement:
 
     def __init__(self):
         self._rows: Dict[tuple, tuple] = {}  # per set of tensors: rows of the all_reduce
+        self._replicas: Dict[tuple, List[bool]] = {}  # per set of tensors: which are held whole everywhere
         self._mesh: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
 
     def clear(self) -> None:
         self._rows.clear()
+        self._replicas.clear()
         self._mesh = None
 
     def group(self, process_group, param_groups, signature) -> Tuple[Optional[dist.ProcessGroup], int]:
@@ -147,11 +149,12 @@ class Agreement:
         ``stale(minmax)`` locally; when any rank finds it stale, every rank calls its ``redo()``.
         """
         rows, nrows, names = self._rows_for(items, name, group, world)
+        replicas = self._replicas_for(items, world)
         flags = [[0] * COLUMNS for _ in range(nrows)]
         checks = []  # (row, (min, max), is a replica)
         minmax = {}
-        for k, (gi, pi, p) in enumerate(items):
-            k = rows[k]
+        for i, (gi, pi, p) in enumerate(items):
+            k = rows[i]
             g = p.grad
             if g is None:
                 # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
@@ -164,7 +167,7 @@ class Agreement:
             if lg.numel():
                 # min and max in one pass: NaN and ±inf both show up in them
                 minmax[id(p)] = torch.stack(torch.aminmax(lg))
-                checks.append((k, minmax[id(p)], world > 1 and _is_replica(p)))
+                checks.append((k, minmax[id(p)], replicas[i]))
         # one more row: "a wave dispatched from backward read something that changed since"
         flags.append([0] * COLUMNS)
         stale = early is not None and early.stale(minmax)  # a bool, or a flag still on the device
@@ -201,6 +204,15 @@ class Agreement:
                 "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
         return Verdict({id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k]][0]},
                        [names[k] for k in range(nrows) if flags[k][NONFINITE]])
+
+    def _replicas_for(self, items, world: int) -> List[bool]:
+        """Which of ``items`` every rank holds whole (their gradients must agree), by row of
+        ``items``; worked out once per set of tensors, not every step."""
+        key = (world,) + tuple(id(p) for _, _, p in items)
+        cached = self._replicas.get(key)
+        if cached is None:
+            cached = self._replicas[key] = [world > 1 and _is_replica(p) for _, _, p in items]
+        return cached
 
     def _rows_for(self, items, name, group, world) -> Tuple[List[int], int, List[str]]:
         """Where each tensor's flags go in the one all_reduce of :meth:`check`.

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from .exchange import Exchange
 from .groups import as_dtype
 from .layout import Layout
-from .newton_schulz import compute_dtype, input_dtype, newton_schulz, ns_flops, resolve_coefficients
+from .newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
+                            resolve_coefficients)
 from .planner import CostModel, MatrixTask, plan_homes
 
 
@@ -32,18 +33,22 @@ class NSSettings(NamedTuple):
     dtype: torch.dtype  # the dtype NS computes in (the method may pick it)
     eps: float
     method: str
+    compile: bool = False  # run NS under torch.compile (not bitwise equal to eager)
 
     def run(self, stack: torch.Tensor) -> torch.Tensor:
-        return newton_schulz(stack, *self).contiguous()
+        ns = compiled_newton_schulz() if self.compile else newton_schulz
+        return ns(stack, *self[:5]).contiguous()
 
 
 def _ns_fields(group: dict) -> tuple:
-    return group["ns_steps"], group["ns_coefficients"], group["ns_dtype"], group["eps"], group["ns_method"]
+    return (group["ns_steps"], group["ns_coefficients"], group["ns_dtype"], group["eps"], group["ns_method"],
+            group.get("compile", False))
 
 
 def ns_settings(group: dict) -> NSSettings:
-    steps, coefficients, dtype, eps, method = _ns_fields(group)
-    return NSSettings(steps, coefficients, compute_dtype(method, as_dtype(dtype, "ns_dtype")), eps, method)
+    steps, coefficients, dtype, eps, method, compiled = _ns_fields(group)
+    return NSSettings(steps, coefficients, compute_dtype(method, as_dtype(dtype, "ns_dtype")), eps, method,
+                      bool(compiled))
 
 
 def exchange_key(layout: Layout, todo: List[int], param_groups) -> tuple:
@@ -182,7 +187,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             dts = (first if first.itemsize <= mom_dtype.itemsize else mom_dtype, ns.dtype)
         by_dtypes.setdefault(dts, []).append(i)
         coeffs, _ = resolve_coefficients(ns.coefficients, ns.steps)
-        skey = (info.rows, info.cols, ns.steps, coeffs, ns.dtype, ns.eps, ns.method)
+        skey = (info.rows, info.cols, ns.steps, coeffs, ns.dtype, ns.eps, ns.method, ns.compile)
         stack_key[i] = skey
         ns_of[skey] = ns
     compiled = []

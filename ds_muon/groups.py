@@ -150,6 +150,9 @@ def check_settings(group: dict, gi: int) -> None:
         raise ValueError(f"param_groups[{gi}]: {e}") from None
     if group["ns_method"] not in NS_METHODS:
         raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
+    if not isinstance(group.get("compile", False), bool):
+        raise ValueError(f"param_groups[{gi}]: compile={group['compile']!r} must be True (Newton–Schulz under "
+                         "torch.compile) or False (eager, the default)")
     _number(group, "eps", gi, strict=True)  # the NS normalisation floor
     _number(group, "extra_scale_factor", gi)
     for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)

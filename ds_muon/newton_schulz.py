@@ -87,19 +87,22 @@ def resolve_coefficients(coefficients: Coefficients, steps: int) -> Tuple[Tuple[
     return per_step, norm_scale
 
 
-NS_METHODS = ("standard", "gram")
+NS_METHODS = ("standard", "gram", "auto")
 
 
-def ns_flops(rows: int, cols: int, steps: int, method: str = "standard") -> float:
+def ns_flops(rows: int, cols: int, steps: int, method: str = "standard",
+             dtype: torch.dtype = torch.float32, device_type: str = "cpu") -> float:
     """Multiply-add FLOPs of ``steps`` iterations on one (rows, cols) matrix.
 
     With m = min(rows, cols), n = max.  Standard: X·Xᵀ (2m²n), A·A (2m³) and
     B·X (2m²n) per step.  Gram (where it is cheaper, see :func:`use_gram`): X·Xᵀ
     and Q·X once (4m²n), then 8m³ per step on m×m matrices (4m³ on the last).
-    The planner uses this as the cost of a matrix.
+    ``"auto"`` counts the method :func:`resolve_method` picks for ``dtype`` and
+    ``device_type``.  The planner uses this as the cost of a matrix.
     """
     m, n = min(rows, cols), max(rows, cols)
     standard = float(steps) * (4.0 * m * m * n + 2.0 * m * m * m)
+    method = resolve_method(method, rows, cols, steps, dtype, device_type)
     if method == "gram" and use_gram(rows, cols, steps):
         return 4.0 * m * m * n + float(steps) * 8.0 * m**3 - 4.0 * m**3
     return standard
@@ -111,11 +114,36 @@ def use_gram(rows: int, cols: int, steps: int) -> bool:
     return 4.0 * m * m * n + steps * 8.0 * m**3 - 4.0 * m**3 < steps * (4.0 * m * m * n + 2.0 * m**3)
 
 
+def resolve_method(method: str, rows: int, cols: int, steps: int, dtype: torch.dtype,
+                   device_type: str) -> str:
+    """The iteration ``method`` runs on one (rows, cols) matrix: ``"auto"`` becomes ``"gram"``
+    where that does fewer FLOPs (:func:`use_gram`) at the standard iteration's accuracy or
+    better in ``dtype``, else ``"standard"``.  A pure function of shape and settings (and of
+    the device type, the same on every rank of an exchange), so every rank picks the same.
+
+    Measured against float64 (``benchmarks/ns_accuracy.py``): in fp32 Gram rounds as the
+    standard iteration does (within 4%, both ~1e-5); asked for in bf16 Gram iterates in fp16
+    and rounds 3-4× *better* than standard bf16 — but fp16 matmuls run at bf16 speed only on
+    GPUs: on CPUs without fp16 matrix units they are ~17× slower than bf16, so there (and in
+    fp16 itself, where Gram rounds 2× worse) auto keeps the standard iteration."""
+    if method != "auto":
+        return method
+    if not use_gram(rows, cols, steps):
+        return "standard"
+    if dtype in (torch.float32, torch.float64):
+        return "gram"
+    if dtype == torch.bfloat16 and device_type == "cuda":
+        return "gram"
+    return "standard"
+
+
 def compute_dtype(method: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype NS iterates in: ``dtype``, except that the Gram iteration asked for in
-    bf16 runs in fp16.  Measured (``benchmarks/ns_accuracy.py``): Gram in bf16 rounds about
-    5× worse than DeepSpeed's fp16 Gram, in fp16 1.2–1.7× better than it; both are 16-bit
-    matmuls, so the cost is the same on tensor cores."""
+    """The dtype NS returns: ``dtype``, except that the Gram iteration asked for in
+    bf16 runs in (and returns) fp16.  Measured (``benchmarks/ns_accuracy.py``): Gram in bf16 rounds
+    about 5× worse than DeepSpeed's fp16 Gram, in fp16 1.2–1.7× better than it; both are 16-bit
+    matmuls, so the cost is the same on tensor cores.  ``"auto"`` returns ``dtype`` whatever
+    it picks per matrix (a Gram result computed in fp16 is cast back), so that one group's
+    stacks share one dtype on the wire."""
     return torch.float16 if method == "gram" and dtype == torch.bfloat16 else dtype
 
 
@@ -140,16 +168,19 @@ def newton_schulz(
     (transposes when rows > cols), normalises by each matrix's Frobenius norm
     (clamped below by ``eps``) after casting to ``dtype``.  ``method="gram"``
     iterates on the small Gram matrix where that is cheaper (opt-in: it is the
-    same polynomial, but rounds differently).  The loop reuses a fixed workspace:
-    no allocation per iteration.
+    same polynomial, but rounds differently); ``"auto"`` does so where that rounds no worse
+    (:func:`resolve_method`).  The loop reuses a fixed workspace: no allocation per iteration.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
     if method not in NS_METHODS:
         raise ValueError(f"ns_method={method!r} is unknown; use one of {list(NS_METHODS)}")
     per_step, norm_scale = resolve_coefficients(coefficients, steps)
+    out_dtype = compute_dtype(method, dtype)
+    method = resolve_method(method, G.size(-2), G.size(-1), steps, dtype, G.device.type)
     dtype = compute_dtype(method, dtype)
     X = G.to(input_dtype(dtype))
+    fresh = X is not G  # the cast made a copy this function owns: normalise it in place
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
@@ -158,12 +189,13 @@ def newton_schulz(
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     if norm_scale != 1.0:
         norm = norm * norm_scale
-    X = (X / norm.clamp(min=eps)).to(dtype)
+    norm = norm.clamp_(min=eps)
+    X = (X.div_(norm) if fresh and X.dtype == dtype else (X / norm).to(dtype))
     if method == "gram" and use_gram(X.size(-2), X.size(-1), steps):
         X = _gram_iteration(X, per_step)
     else:
         X = _standard_iteration(X, per_step)
-    X = X.reshape(*batch_shape, X.size(-2), X.size(-1))
+    X = X.reshape(*batch_shape, X.size(-2), X.size(-1)).to(out_dtype)
     return X.mT if tall else X
 
 
@@ -214,3 +246,20 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
             torch.bmm(Z, R, out=T)
             torch.bmm(T, Z, out=R)
     return torch.bmm(Q, X) if Q is not None else X
+
+
+_compiled = None
+
+
+def compiled_newton_schulz():
+    """:func:`newton_schulz` under ``torch.compile`` (built on first use, shared by every
+    group that asks for ``compile=True``).  Deterministic, and every rank runs the same
+    compiled code, so a sharded step still equals the single-process one bitwise when both
+    compile; it is *not* bitwise equal to eager: inductor computes the norm and the
+    elementwise parts with its own kernels (docs/PERFORMANCE.md has the accuracy)."""
+    global _compiled
+    if _compiled is None:
+        if not hasattr(torch, "compile"):
+            raise RuntimeError("ds_muon: compile=True needs torch.compile (torch >= 2.0)")
+        _compiled = torch.compile(newton_schulz)
+    return _compiled

@@ -90,6 +90,7 @@ class Muon(Optimizer):
         ns_coefficients="keller",
         ns_method: str = "standard",
         ns_dtype=torch.bfloat16,
+        compile: bool = False,
         eps: float = 1e-7,
         scale_mode: str = "shape_scaling",
         extra_scale_factor: float = 1.0,
@@ -131,7 +132,7 @@ class Muon(Optimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-            ns_method=ns_method,
+            ns_method=ns_method, compile=compile,
             ns_dtype=dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor, use_muon=True,
         )

@@ -2,12 +2,19 @@
 
 Timed: ``engine.backward(loss)`` + ``engine.step()`` together, per iteration the
 slowest rank (DeepSpeed's built-in Muon runs its Newton–Schulz inside the
-gradient reduction of backward, so timing step() alone would flatter it).
-Forward is not timed.  All variants in one run; medians and ratios.
+gradient reduction of backward, so timing step() alone would flatter it), in
+process CPU time (what the rank itself spent, gloo's threads included) beside
+wall time: on a shared machine wall time swings with the neighbours' load, CPU
+time much less.  Forward is not timed.  All variants in one run; medians and ratios.
+
+Models: ``--model bank`` (default) is a stack of linears whose Muon matrices are
+the bank of ``benchmarks/ns_roofline.py`` (8×512², 4×1536×512, 4×512×1536,
+4×384×1024), so NS dominates the step; ``--model gpt`` is examples/gpt.GPT.
 
 Variants:
 * ``adamw``: DeepSpeed ``"type": "AdamW"`` (``torch_adam``), the baseline;
-* ``ds_muon NS fp32`` / ``ds_muon NS bf16``: ``"type": "DsMuon"`` with ``ns_dtype``;
+* ``ds_muon NS fp32`` / ``ds_muon NS bf16``: ``"type": "DsMuon"`` with ``ns_dtype``
+  (eager, the default, and bf16 with ``"compile": true``);
 * ``deepspeed muon <method>``: ``"type": "muon"`` with ``ns_method`` ``standard``
   (NS in bf16) or ``gram`` (its default; NS in fp16), each with torch.compile as
   DeepSpeed ships it and with ``TORCHDYNAMO_DISABLE=1``.
@@ -59,6 +66,32 @@ class BenchGPT(GPT):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+class BankNet(torch.nn.Module):
+    """A model whose Muon matrices are exactly the NS bank (no biases, no norms): an
+    embedding, four up/down MLP blocks with two square mixers each, four side
+    projections of ``[x, x]`` to 384 features, and a head."""
+
+    def __init__(self, vocab=256, d=512):
+        super().__init__()
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.up = torch.nn.ModuleList(lin(d, 3 * d) for _ in range(4))  # weights 1536x512
+        self.down = torch.nn.ModuleList(lin(3 * d, d) for _ in range(4))  # 512x1536
+        self.mix = torch.nn.ModuleList(lin(d, d) for _ in range(8))  # 512x512
+        self.side = torch.nn.ModuleList(lin(2 * d, 384) for _ in range(4))  # 384x1024
+        self.lm_head = lin(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        aux = 0.0
+        for k in range(4):
+            x = x + self.down[k](torch.nn.functional.gelu(self.up[k](x)))
+            x = x + self.mix[2 * k + 1](torch.tanh(self.mix[2 * k](x)))
+            aux = aux + self.side[k](torch.cat([x, x], -1)).square().mean()
+        logits = self.lm_head(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)) + 1e-3 * aux
+
+
 def _config(variant, args):
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
@@ -72,7 +105,9 @@ def _config(variant, args):
     if variant == "adamw":
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.0, "torch_adam": True}}
     elif variant.startswith("ds_muon"):
-        cfg["optimizer"] = {"type": "DsMuon", "params": dict(common, ns_dtype=variant.split()[-1])}
+        compiled = variant.endswith("compile")
+        dtype = variant.split()[1]
+        cfg["optimizer"] = {"type": "DsMuon", "params": dict(common, ns_dtype=dtype, compile=compiled)}
     else:
         cfg["optimizer"] = {"type": "muon", "params": dict(common, ns_method=variant.split()[-1])}
     return cfg
@@ -114,7 +149,10 @@ def _ns_and_bytes(engine, variant):
 
 def _worker(rank, world, variant, args):
     torch.manual_seed(0)
-    model = BenchGPT(vocab=256, d=args.dim, layers=args.layers, heads=4, seq=args.seq)
+    if args.model == "bank":
+        model = BankNet()
+    else:
+        model = BenchGPT(vocab=256, d=args.dim, layers=args.layers, heads=4, seq=args.seq)
     cfg = _config(variant, args)
     if variant.startswith("ds_muon"):
         import ds_muon.deepspeed
@@ -125,19 +163,20 @@ def _worker(rank, world, variant, args):
 
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(rank)
-    times = []
+    times, cpu = [], []
     for it in range(args.warmup + args.steps):
         idx = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
         loss = engine(idx[:, :-1], idx[:, 1:])
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.backward(loss)
         engine.step()
         times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times[args.warmup:], dtype=torch.float64)
+        cpu.append(time.process_time() - c0)
+    slowest = torch.tensor([times[args.warmup:], cpu[args.warmup:]], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     flops, sent = _ns_and_bytes(engine, variant)
-    return statistics.median(slowest.tolist()), flops, sent
+    return statistics.median(slowest[0].tolist()), flops, sent, statistics.median(slowest[1].tolist())
 
 
 def run_variant(variant, dynamo, args):
@@ -157,23 +196,34 @@ def run_variant(variant, dynamo, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--model", choices=("bank", "gpt"), default="bank")
+    ap.add_argument("--dim", type=int, default=256, help="gpt only")
+    ap.add_argument("--layers", type=int, default=3, help="gpt only")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--skip-compiled", action="store_true", help="skip DeepSpeed Muon under torch.compile")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--skip-compiled", action="store_true", help="skip the torch.compile variants")
+    ap.add_argument("--skip-fp32", action="store_true", help="skip ds_muon with NS in fp32")
     args = ap.parse_args()
     torch.set_num_threads(1)
     header(f"backward()+step() at W={WORLD}, ZeRO-2, fp32 training: ds_muon vs DeepSpeed Muon vs AdamW")
-    print(f"model: examples/gpt.GPT d={args.dim} layers={args.layers} seq={args.seq}, micro-batch {args.batch} "
-          f"per rank; {args.steps} timed iterations after {args.warmup} warm-up; one thread per rank\n")
+    if args.model == "bank":
+        print("model: BankNet (Muon matrices 8x512², 4x1536x512, 4x512x1536, 4x384x1024), "
+              f"seq={args.seq}, micro-batch {args.batch} per rank;", end=" ")
+    else:
+        print(f"model: examples/gpt.GPT d={args.dim} layers={args.layers} seq={args.seq}, micro-batch {args.batch} "
+              "per rank;", end=" ")
+    print(f"{args.steps} timed iterations after {args.warmup} warm-up; one thread per rank; per iteration the "
+          "slowest rank\n")
 
-    runs = [("adamw", "AdamW (DeepSpeed, torch_adam)", False),
-            ("ds_muon float32", "ds_muon, NS fp32", False),
-            ("ds_muon bfloat16", "ds_muon, NS bf16", False)]
+    runs = [("adamw", "AdamW (DeepSpeed, torch_adam)", False)]
+    if not args.skip_fp32:
+        runs.append(("ds_muon float32", "ds_muon, NS fp32", False))
+    runs.append(("ds_muon bfloat16", "ds_muon, NS bf16", False))
+    if not args.skip_compiled:
+        runs.append(("ds_muon bfloat16 compile", "ds_muon, NS bf16, compile=True", True))
     for method, dtype in (("standard", "bf16"), ("gram", "fp16")):
         runs.append((f"ds muon {method}", f"DeepSpeed muon {method} (NS {dtype}), TORCHDYNAMO_DISABLE=1", False))
         if not args.skip_compiled:
@@ -182,25 +232,31 @@ def main():
     for variant, label, dynamo in runs:
         per_rank = run_variant(variant, dynamo, args)
         results[label] = per_rank
-        print(f"  {label}: {per_rank[0][0] * 1e3:.1f} ms", flush=True)
+        print(f"  {label}: {per_rank[0][0] * 1e3:.1f} ms wall, {per_rank[0][3] * 1e3:.1f} ms CPU", flush=True)
     print()
-    base = results["AdamW (DeepSpeed, torch_adam)"][0][0]
+    base_wall, base_cpu = results["AdamW (DeepSpeed, torch_adam)"][0][0], results["AdamW (DeepSpeed, torch_adam)"][0][3]
     rows = []
     for label, per_rank in results.items():
-        t = per_rank[0][0]
+        t, c = per_rank[0][0], per_rank[0][3]
         flops = [r[1] for r in per_rank]
         sent = [r[2] for r in per_rank]
         mean = sum(flops) / len(flops)
-        rows.append([label, t * 1e3, t / base, (t - base) * 1e3,
+        rows.append([label, t * 1e3, c * 1e3, (t - base_wall) * 1e3, (c - base_cpu) * 1e3,
                      f"{max(flops) / 1e9:.3g} / {mean / 1e9:.3g}" if mean else "-",
-                     f"{max(flops) / mean:.2f}" if mean else "-",
                      f"{max(sent) / 1e6:.3g}"])
-    table(["optimizer", "median ms", "× AdamW", "overhead ms", "NS GFLOP max / mean", "imbalance", "MB sent max"],
-          rows)
-    ours = results["ds_muon, NS bf16"][0][0] - base
-    theirs = results["DeepSpeed muon standard (NS bf16), TORCHDYNAMO_DISABLE=1"][0][0] - base
-    print(f"Muon overhead over AdamW, NS bf16: ds_muon {ours * 1e3:.1f} ms, DeepSpeed {theirs * 1e3:.1f} ms "
-          f"(ratio {theirs / ours if ours > 0 else float('inf'):.2f})")
+    table(["optimizer", "wall ms", "CPU ms", "overhead wall ms", "overhead CPU ms", "NS GFLOP max / mean",
+           "MB sent max"], rows)
+
+    def overhead(label):
+        r = results[label][0]
+        return r[0] - base_wall, r[3] - base_cpu
+
+    ours = overhead("ds_muon, NS bf16")
+    print("Muon overhead over AdamW, NS bf16, ds_muon eager / DeepSpeed (below 1: ds_muon adds less):")
+    for label in results:
+        if label.startswith("DeepSpeed muon"):
+            theirs = overhead(label)
+            print(f"  vs {label}: CPU {ours[1] / theirs[1]:.2f}x, wall {ours[0] / theirs[0]:.2f}x")
 
 
 if __name__ == "__main__":

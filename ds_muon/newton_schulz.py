@@ -121,18 +121,15 @@ def resolve_method(method: str, rows: int, cols: int, steps: int, dtype: torch.d
     better in ``dtype``, else ``"standard"``.  A pure function of shape and settings (and of
     the device type, the same on every rank of an exchange), so every rank picks the same.
 
-    Measured against float64 (``benchmarks/ns_accuracy.py``): in fp32 Gram rounds as the
-    standard iteration does (within 4%, both ~1e-5); asked for in bf16 Gram iterates in fp16
-    and rounds 3-4× *better* than standard bf16 — but fp16 matmuls run at bf16 speed only on
-    GPUs: on CPUs without fp16 matrix units they are ~17× slower than bf16, so there (and in
-    fp16 itself, where Gram rounds 2× worse) auto keeps the standard iteration."""
+    Measured against float64 (``benchmarks/ns_accuracy.py``, 8 shapes × 4 inputs): asked for
+    in bf16, Gram iterates in fp16 and rounds 3-7× *better* than the standard bf16 iteration —
+    but fp16 matmuls run at bf16 speed only on GPUs; on CPUs without fp16 matrix units they are
+    ~17× slower than bf16, so there auto keeps the standard iteration.  In fp32 Gram rounds
+    0.9-2.2× the standard error, and in fp16 about 2× (no better), so auto keeps standard there.
+    """
     if method != "auto":
         return method
-    if not use_gram(rows, cols, steps):
-        return "standard"
-    if dtype in (torch.float32, torch.float64):
-        return "gram"
-    if dtype == torch.bfloat16 and device_type == "cuda":
+    if dtype == torch.bfloat16 and device_type == "cuda" and use_gram(rows, cols, steps):
         return "gram"
     return "standard"
 

@@ -27,24 +27,37 @@ BANK = [(8, 512, 512), (4, 1536, 512), (4, 512, 1536), (4, 384, 1024)]
 STEPS = 5
 
 
+DEVICE = "cpu"
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def cpu_and_wall(fns, repeats):
-    """Median (process CPU s, wall s) of each fn, the fns interleaved per repeat."""
+    """Median (process CPU s, wall s) of each fn, the fns interleaved per repeat.  On a GPU
+    the first is the device time (wall, synchronized): the host only queues the work."""
     cpu = [[] for _ in fns]
     wall = [[] for _ in fns]
     for fn in fns:
         fn()  # warm-up (and compile)
     for _ in range(repeats):
         for k, fn in enumerate(fns):
+            _sync()
             c0, w0 = time.process_time(), time.perf_counter()
             fn()
+            _sync()
             cpu[k].append(time.process_time() - c0)
             wall[k].append(time.perf_counter() - w0)
+    if DEVICE == "cuda":
+        cpu = wall
     return [(statistics.median(c), statistics.median(w)) for c, w in zip(cpu, wall)]
 
 
 def step_products(batch, m, n, dtype):
     """One NS step's three products, on the shapes and with the forms the iteration uses."""
-    X = torch.randn(batch, m, n).to(dtype) / (m * n) ** 0.5
+    X = torch.randn(batch, m, n, device=DEVICE).to(dtype) / (m * n) ** 0.5
     A = torch.bmm(X, X.mT)
     B = torch.empty_like(A)
     Y = torch.empty_like(X)
@@ -65,6 +78,7 @@ def profile_rows(G, dtype):
     with profile() as prof:
         for _ in range(3):
             newton_schulz(G, STEPS, "keller", dtype).contiguous()
+        _sync()
     out = {"GEMM": 0.0, "copies": 0.0, "norm": 0.0, "other": 0.0}
     for ev in prof.key_averages():
         out[groups.get(ev.key, "other")] += ev.self_cpu_time_total / 1e3 / 3
@@ -75,19 +89,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(1)
-    header(f"Newton–Schulz vs GEMM rate, {STEPS} Keller steps, one thread, rates over process CPU time")
+    header(f"Newton–Schulz vs GEMM rate, {STEPS} Keller steps, one thread, rates over process CPU time"
+           + (" (GPU: over device time)" if DEVICE == "cuda" else ""))
     compiled = None if args.no_compile else compiled_newton_schulz()
     rows, prof = [], []
     totals = {}
     for dtype in (torch.bfloat16, torch.float32):
-        a, b = torch.randn(2048, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+        a, b = (torch.randn(2048, 2048, device=DEVICE).to(dtype) for _ in range(2))
         [(gemm_cpu, _)] = cpu_and_wall([lambda: torch.mm(a, b)], args.repeats)
         gemm_rate = 2 * 2048**3 / gemm_cpu
         name = str(dtype).replace("torch.", "")
         for batch, r, c in BANK:
-            G = torch.randn(batch, r, c, generator=torch.Generator().manual_seed(0))
+            G = torch.randn(batch, r, c, generator=torch.Generator().manual_seed(0)).to(DEVICE)
             flops = batch * ns_flops(r, c, STEPS)
             m, n = min(r, c), max(r, c)
             fns = [step_products(batch, m, n, dtype), lambda: newton_schulz(G, STEPS, "keller", dtype).contiguous()]
@@ -107,6 +125,8 @@ def main():
                 row += [flops / res[2][0] / 1e12, f"{res[2][0] / ns_cpu:.2f}"]
                 t[2] += res[2][0]
             rows.append(row)
+            if DEVICE != "cpu":
+                continue  # the profile's self times are host times: meaningful on the CPU only
             p = profile_rows(G, dtype)
             total = sum(p.values())
             prof.append([name, f"{batch}x{r}x{c}", total] + [f"{p[k] / total:.1%}" for k in ("GEMM", "copies", "norm",
@@ -122,6 +142,8 @@ def main():
     if compiled is not None:
         headers += ["compiled NS TF/s", "compiled/eager CPU"]
     table(headers, rows)
+    if not prof:
+        return
     print("Where eager NS spends its CPU time (torch.profiler self time, per NS call):\n")
     table(["dtype", "stack", "ms", "GEMM", "copies", "norm", "other"], prof)
 

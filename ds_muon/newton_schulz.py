@@ -183,10 +183,10 @@ def newton_schulz(
         X = X.mT
     batch_shape = X.shape[:-2]
     X = X.reshape(-1, X.size(-2), X.size(-1))
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    norm = _frobenius_norm(X)
     if norm_scale != 1.0:
         norm = norm * norm_scale
-    norm = norm.clamp_(min=eps)
+    norm = norm.clamp_(min=eps).to(X.dtype)
     X = (X.div_(norm) if fresh and X.dtype == dtype else (X / norm).to(dtype))
     if method == "gram" and use_gram(X.size(-2), X.size(-1), steps):
         X = _gram_iteration(X, per_step)
@@ -194,6 +194,17 @@ def newton_schulz(
         X = _standard_iteration(X, per_step)
     X = X.reshape(*batch_shape, X.size(-2), X.size(-1)).to(out_dtype)
     return X.mT if tall else X
+
+
+def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
+    """Each matrix's Frobenius norm, [batch, 1, 1].  An fp32 input accumulates in float64:
+    torch's fp32 norm sums in fp32, 1e-5 off on a 256×1024 matrix, and that scale error
+    was the whole of an fp32 iteration's error against float64 (6× above what the
+    iteration itself rounds; ``benchmarks/ns_accuracy.py``).  bf16 keeps torch's own norm
+    (accumulated in fp32, rounded to bf16) so that the default iteration stays bitwise
+    torch.optim.Muon's."""
+    wide = torch.float64 if X.dtype == torch.float32 else None
+    return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=wide)
 
 
 def _standard_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
@@ -252,11 +263,22 @@ def compiled_newton_schulz():
     """:func:`newton_schulz` under ``torch.compile`` (built on first use, shared by every
     group that asks for ``compile=True``).  Deterministic, and every rank runs the same
     compiled code, so a sharded step still equals the single-process one bitwise when both
-    compile; it is *not* bitwise equal to eager: inductor computes the norm and the
-    elementwise parts with its own kernels (docs/PERFORMANCE.md has the accuracy)."""
+    compile.  Inductor is told to round where eager rounds (``emulate_precision_casts``) and
+    runs the same matmul kernels, so results match eager bitwise on most shapes — but not
+    on all (measured: a tall bf16 1536×512 stack differs in the last bits: inductor lays the
+    normalised input out contiguously, eager keeps its transposed strides, and the first
+    product's blocking follows the layout).  docs/PERFORMANCE.md has speed and accuracy."""
     global _compiled
     if _compiled is None:
         if not hasattr(torch, "compile"):
             raise RuntimeError("ds_muon: compile=True needs torch.compile (torch >= 2.0)")
-        _compiled = torch.compile(newton_schulz)
+        options = {}
+        try:
+            from torch._inductor import config as inductor_config
+
+            if hasattr(inductor_config, "emulate_precision_casts"):
+                options["emulate_precision_casts"] = True
+        except ImportError:
+            pass
+        _compiled = torch.compile(newton_schulz, options=options or None)
     return _compiled

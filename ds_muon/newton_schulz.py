@@ -11,6 +11,7 @@ which is what makes a sharded step bitwise equal to the single-process one.
 from __future__ import annotations
 
 import math
+import types
 from typing import Sequence, Tuple, Union
 
 import torch
@@ -178,9 +179,6 @@ def newton_schulz(
     dtype = compute_dtype(method, dtype)
     X = G.to(input_dtype(dtype))
     fresh = X is not G  # the cast made a copy this function owns: normalise it in place
-    tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
     batch_shape = X.shape[:-2]
     X = X.reshape(-1, X.size(-2), X.size(-1))
     norm = _frobenius_norm(X)
@@ -188,12 +186,18 @@ def newton_schulz(
         norm = norm * norm_scale
     norm = norm.clamp_(min=eps).to(X.dtype)
     X = (X.div_(norm) if fresh and X.dtype == dtype else (X / norm).to(dtype))
+    # normalised in G's own layout, then viewed wide: the same memory torch.optim.Muon's
+    # transposed view has, and the layout torch.compile keeps too (so both run the same products)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
     if method == "gram" and use_gram(X.size(-2), X.size(-1), steps):
         X = _gram_iteration(X, per_step)
     else:
         X = _standard_iteration(X, per_step)
-    X = X.reshape(*batch_shape, X.size(-2), X.size(-1)).to(out_dtype)
-    return X.mT if tall else X
+    if tall:
+        X = X.mT
+    return X.reshape(*batch_shape, X.size(-2), X.size(-1)).to(out_dtype)
 
 
 def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
@@ -256,29 +260,43 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
     return torch.bmm(Q, X) if Q is not None else X
 
 
-_compiled = None
+_compiled: dict = {}  # (matrix shape, dtypes, settings) -> newton_schulz under torch.compile
 
 
 def compiled_newton_schulz():
-    """:func:`newton_schulz` under ``torch.compile`` (built on first use, shared by every
-    group that asks for ``compile=True``).  Deterministic, and every rank runs the same
-    compiled code, so a sharded step still equals the single-process one bitwise when both
-    compile.  Inductor is told to round where eager rounds (``emulate_precision_casts``) and
-    runs the same matmul kernels, so results match eager bitwise on most shapes — but not
-    on all (measured: a tall bf16 1536×512 stack differs in the last bits: inductor lays the
-    normalised input out contiguously, eager keeps its transposed strides, and the first
-    product's blocking follows the layout).  docs/PERFORMANCE.md has speed and accuracy."""
-    global _compiled
-    if _compiled is None:
-        if not hasattr(torch, "compile"):
-            raise RuntimeError("ds_muon: compile=True needs torch.compile (torch >= 2.0)")
-        options = {}
-        try:
-            from torch._inductor import config as inductor_config
+    """:func:`newton_schulz` under ``torch.compile``, for ``compile=True``.
 
-            if hasattr(inductor_config, "emulate_precision_casts"):
-                options["emulate_precision_casts"] = True
-        except ImportError:
-            pass
-        _compiled = torch.compile(newton_schulz, options=options or None)
-    return _compiled
+    One compiled function per matrix shape and settings, each with its own code object:
+    dynamo keeps at most ``recompile_limit`` graphs per code object and runs the rest
+    eagerly, which would make what a stack runs depend on which stacks a rank saw first.
+    The batch dimension is unbacked, so one graph serves every stack size: a matrix runs
+    the same code whichever others share its stack, at home or in a single process.
+    Inductor is told to round where eager rounds (``emulate_precision_casts``) and calls the
+    same matmul kernels, so results match eager bitwise on every stack measured but one
+    (a tiny tall fp32 stack) — not guaranteed; docs/PERFORMANCE.md has speed and accuracy.
+    """
+    if not hasattr(torch, "compile"):
+        raise RuntimeError("ds_muon: compile=True needs torch.compile (torch >= 2.0)")
+    return _run_compiled
+
+
+def _run_compiled(G: torch.Tensor, steps: int = 5, coefficients: Coefficients = "keller",
+                  dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7, method: str = "standard") -> torch.Tensor:
+    key = (G.ndim, tuple(G.shape[-2:]), G.dtype, G.device.type, steps, repr(coefficients), dtype, eps, method)
+    fn = _compiled.get(key)
+    if fn is None:
+        code = newton_schulz.__code__.replace()  # a code object of its own: its own graph cache
+        fresh = types.FunctionType(code, newton_schulz.__globals__, newton_schulz.__name__,
+                                   newton_schulz.__defaults__, newton_schulz.__closure__)
+        fn = _compiled[key] = torch.compile(fresh, dynamic=False, options=_inductor_options())
+    if G.ndim == 3 and hasattr(torch._dynamo, "decorators") and hasattr(torch._dynamo.decorators, "mark_unbacked"):
+        torch._dynamo.decorators.mark_unbacked(G, 0)
+    return fn(G, steps, coefficients, dtype, eps, method)
+
+
+def _inductor_options() -> dict:
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:
+        return {}
+    return {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}

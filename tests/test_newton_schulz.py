@@ -47,6 +47,18 @@ def test_fp32_norm_does_not_limit_accuracy():
     assert ((got.double() - ref).norm() / ref.norm()) < 4e-6
 
 
+@pytest.mark.parametrize("shape", [(1536, 512), (512, 1536)])
+def test_bitwise_torch_optim_muon_iteration(shape):
+    """The default (bf16, Keller) is torch's own iteration bit for bit, tall matrices included:
+    the norm is taken in the input's own layout, as torch's is (over a transposed view it
+    rounded differently on these inputs)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    with dist_harness.one_thread():
+        G = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.logspace(0, -2, shape[1])
+        assert torch.equal(ds_muon.newton_schulz(G).contiguous(), _zeropower_via_newtonschulz(G, KELLER, 5, 1e-7))
+
+
 def test_batched_equals_one_by_one():
     with dist_harness.one_thread():
         G = torch.randn(5, 20, 36)

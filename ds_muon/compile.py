@@ -33,7 +33,7 @@ class NSSettings(NamedTuple):
     dtype: torch.dtype  # the dtype NS computes in (the method may pick it)
     eps: float
     method: str
-    compile: bool = False  # run NS under torch.compile (not bitwise equal to eager)
+    compile: bool = False  # run NS under torch.compile (not guaranteed bitwise equal to eager)
 
     def run(self, stack: torch.Tensor) -> torch.Tensor:
         ns = compiled_newton_schulz() if self.compile else newton_schulz

@@ -126,7 +126,7 @@ def resolve_method(method: str, rows: int, cols: int, steps: int, dtype: torch.d
     in bf16, Gram iterates in fp16 and rounds 3-7× *better* than the standard bf16 iteration —
     but fp16 matmuls run at bf16 speed only on GPUs; on CPUs without fp16 matrix units they are
     ~17× slower than bf16, so there auto keeps the standard iteration.  In fp32 Gram rounds
-    0.9-2.2× the standard error, and in fp16 about 2× (no better), so auto keeps standard there.
+    0.8-4× the standard error, and in fp16 about 2× (no better), so auto keeps standard there.
     """
     if method != "auto":
         return method
@@ -272,8 +272,9 @@ def compiled_newton_schulz():
     The batch dimension is unbacked, so one graph serves every stack size: a matrix runs
     the same code whichever others share its stack, at home or in a single process.
     Inductor is told to round where eager rounds (``emulate_precision_casts``) and calls the
-    same matmul kernels, so results match eager bitwise on every stack measured but one
-    (a tiny tall fp32 stack) — not guaranteed; docs/PERFORMANCE.md has speed and accuracy.
+    same matmul kernels: results matched eager bitwise on every stack measured, and a matrix
+    got the same bits alone or in a stack on all but a tiny tall fp32 one — measured, not
+    guaranteed (inductor owns the code); docs/PERFORMANCE.md has speed and accuracy.
     """
     if not hasattr(torch, "compile"):
         raise RuntimeError("ds_muon: compile=True needs torch.compile (torch >= 2.0)")

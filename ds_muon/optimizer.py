@@ -90,7 +90,6 @@ class Muon(Optimizer):
         ns_coefficients="keller",
         ns_method: str = "standard",
         ns_dtype=torch.bfloat16,
-        compile: bool = False,
         eps: float = 1e-7,
         scale_mode: str = "shape_scaling",
         extra_scale_factor: float = 1.0,
@@ -107,6 +106,7 @@ class Muon(Optimizer):
         waves: int = 4,
         dispatch_in_backward: bool = True,
         adapter: Optional[StackAdapter] = None,
+        compile: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")

@@ -12,6 +12,12 @@ object of :class:`~ds_muon.planner.CostModel` fields) plus ``adam_lr`` and
 Everything else in the config goes to DeepSpeed unchanged, with
 ``zero_allow_untested_optimizer`` set.
 
+Optimizer offload: ``"zero_optimization": {"offload_optimizer": {"device": "cpu",
+"pin_memory": true}}`` works as written (``zero_force_ds_cpu_optimizer`` is set to
+false for you: Muon, not DeepSpeed's CPU Adam, steps the host partition).  Momentum
+and AdamW moments live beside the fp32 partition in host memory; the result is
+bitwise the run without offload (docs/DEEPSPEED.md).
+
 Gradient clipping: DeepSpeed's ``gradient_clipping`` (DeepSpeed 0.19.8 defaults it
 to 1.0) clips the raw averaged gradient before ``Muon.step``; the orthogonalized
 update is never clipped (its scale is set by ``lr`` and ``scale_mode``).
@@ -28,7 +34,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .integrations.base import HOW_TO_BIND
-from .integrations.deepspeed import bind, check_no_deepspeed_muon_tags, check_supported_config
+from .integrations.deepspeed import (allow_client_optimizer_offload, bind, check_no_deepspeed_muon_tags,
+                                     check_supported_config)
 from .integrations.moe import split_moe_groups
 from .optimizer import Muon
 from .param_groups import muon_param_groups
@@ -124,7 +131,8 @@ def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any
     """``(config for DeepSpeed, Muon or None)`` from a config with or without a DsMuon entry.
 
     For callers that hand the optimizer to ``deepspeed.initialize`` themselves (accelerate):
-    the returned config has the entry removed and ``zero_allow_untested_optimizer`` set; pass
+    the returned config has the entry removed, ``zero_allow_untested_optimizer`` set (and, with
+    ``offload_optimizer`` on the host, ``zero_force_ds_cpu_optimizer`` false); pass
     the Muon as ``optimizer=`` and call ``ds_muon.integrations.deepspeed.bind(engine)`` after.
     """
     cfg = load_config(config)
@@ -138,7 +146,7 @@ def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any
     check_no_deepspeed_muon_tags(list(model.parameters()), {p: n for n, p in model.named_parameters()})
     muon = build_optimizer(model, entry.get("params"))
     cfg["zero_allow_untested_optimizer"] = True
-    return cfg, muon
+    return allow_client_optimizer_offload(cfg), muon
 
 
 def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
@@ -181,6 +189,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                              "remove the entry")
         check_supported_config(cfg)
         check_no_deepspeed_muon_tags(list(model.parameters()), names)
+        allow_client_optimizer_offload(cfg)
     else:
         kw = {} if distributed_port is None else {"distributed_port": distributed_port}
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

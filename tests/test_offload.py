@@ -1,0 +1,114 @@
+"""Optimizer-state offload: DeepSpeed ZeRO-Offload and FSDP2 ``CPUOffloadPolicy`` with Muon, exact.
+
+W=2 gloo ranks.  Each spawned run builds the same model with and without offload and
+trains both on the same batches: the fp32 masters must be bitwise equal (Muon's update
+does not depend on where the state lives), and Muon's state must sit in host memory.
+DeepSpeed engines are slow to build, so one run covers many cases.
+"""
+
+import pytest
+import torch
+
+import dist_harness
+
+pytest.importorskip("deepspeed")
+
+from ds_muon import deepspeed as ds_muon_deepspeed  # noqa: E402
+from test_deepspeed import ENV, MUON_NAMES, PARAMS, ds_config, full_fp32, make_model, train  # noqa: E402
+
+OFFLOAD = {"device": "cpu", "pin_memory": True}
+STEPS = 3
+
+
+def offload_config(stage, ns_dtype, offload, bf16=False, clip=0.0):
+    cfg = ds_config(stage, bf16=bf16, params=dict(PARAMS, ns_dtype=ns_dtype), clip=clip)
+    if offload:  # what a DeepSpeed user writes: no zero_force_ds_cpu_optimizer
+        cfg["zero_optimization"]["offload_optimizer"] = dict(OFFLOAD)
+    return cfg
+
+
+def _run(cfg, steps=STEPS):
+    engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=cfg)
+    train(engine, steps)
+    muon = engine.basic_optimizer
+    devices = {str(t.device) for s in muon.state.values() for t in s.values() if torch.is_tensor(t)}
+    info = {"wrapper": type(engine.optimizer).__name__, "state_devices": devices,
+            "offload": getattr(muon.adapter, "offload", None),
+            "momenta": sum("momentum_buffer" in s for s in muon.state.values())}
+    return full_fp32(engine), info
+
+
+# (stage, ns_dtype, bf16 model, gradient_clipping)
+DS_CASES = [(1, "float32", False, 0.0), (1, "bfloat16", False, 1.0), (2, "bfloat16", False, 0.0),
+            (2, "float32", True, 1.0), (3, "float32", False, 0.0), (3, "bfloat16", True, 0.0)]
+
+
+def _deepspeed_worker(rank, world):
+    out = []
+    for stage, ns_dtype, bf16, clip in DS_CASES:
+        pair = [_run(offload_config(stage, ns_dtype, off, bf16, clip)) for off in (False, True)]
+        out.append(pair)
+    return out
+
+
+def test_zero_offload_bitwise_equals_no_offload():
+    """ZeRO-1/2/3, fp32 and bf16 NS, fp32 and bf16 models, with and without clipping:
+    offload changes nothing in the result."""
+    init = make_model().state_dict()
+    for rank, results in enumerate(dist_harness.run(_deepspeed_worker, 2, timeout=600, env=ENV)):
+        for case, ((plain, plain_info), (off, off_info)) in zip(DS_CASES, results):
+            assert off_info["offload"] is True and plain_info["offload"] is False, (case, off_info, plain_info)
+            assert off_info["state_devices"] == {"cpu"}, (case, off_info)
+            assert off_info["momenta"] >= 1, (case, off_info)
+            assert off_info["wrapper"] == ("DeepSpeedZeroOptimizer_Stage3" if case[0] == 3
+                                           else "DeepSpeedZeroOptimizer"), (case, off_info)
+            for name, want in plain.items():
+                assert torch.equal(off[name], want), f"{case} rank {rank}: {name} differs with offload " \
+                    f"(max {float((off[name] - want).abs().max()):.3g})"
+            assert all(float((plain[n] - init[n]).abs().max()) > 1e-3 for n in MUON_NAMES), case
+
+
+# -- checkpoints: save/load with offload resumes bitwise, and a run may switch offload on or off --
+CKPT_CASES = [(2, False, True, True), (3, False, True, True), (1, True, True, True), (2, False, False, True),
+              (3, False, True, False)]  # (stage, bf16 model, offload when saved, offload when resumed)
+
+
+def _checkpoint_worker(rank, world, path):
+    out = []
+    for k, (stage, bf16, save_off, load_off) in enumerate(CKPT_CASES):
+        cfg = offload_config(stage, "bfloat16", save_off, bf16)
+        engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=cfg)
+        train(engine, 2)
+        engine.save_checkpoint(path, tag=f"case{k}")
+        train(engine, 2, start=2)
+        want = full_fp32(engine)
+        torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+        engine2, _, _, _ = ds_muon_deepspeed.initialize(model=type(make_model())(),
+                                                        config=offload_config(stage, "bfloat16", load_off, bf16))
+        engine2.load_checkpoint(path, tag=f"case{k}")
+        muon2 = engine2.basic_optimizer
+        devices = {str(s["momentum_buffer"].device) for s in muon2.state.values() if "momentum_buffer" in s}
+        train(engine2, 2, start=2)
+        out.append((want, full_fp32(engine2), devices, engine2.global_steps))
+    return out
+
+
+def test_offload_checkpoint_resume_bitwise(tmp_path):
+    for results in dist_harness.run(_checkpoint_worker, 2, str(tmp_path), timeout=600, env=ENV):
+        for case, (want, got, devices, steps) in zip(CKPT_CASES, results):
+            assert steps == 4, case
+            assert devices == {"cpu"}, (case, devices)  # momentum restored beside the host partition
+            for name in want:
+                assert torch.equal(want[name], got[name]), f"{case}: {name} differs after resume"
+
+
+def test_config_a_deepspeed_user_writes():
+    """The entry lets DeepSpeed take Muon under offload (DeepSpeed refuses client optimizers there
+    unless zero_force_ds_cpu_optimizer is false); without offload the key is left alone."""
+    cfg, muon = ds_muon_deepspeed.optimizer_from_config(make_model(), offload_config(2, "float32", True))
+    assert cfg["zero_force_ds_cpu_optimizer"] is False and muon is not None
+    cfg, _ = ds_muon_deepspeed.optimizer_from_config(make_model(), offload_config(2, "float32", False))
+    assert "zero_force_ds_cpu_optimizer" not in cfg
+    forced = dict(offload_config(3, "float32", True), zero_force_ds_cpu_optimizer=True)
+    with pytest.raises(ValueError, match="zero_force_ds_cpu_optimizer.*remove it"):
+        ds_muon_deepspeed.optimizer_from_config(make_model(), forced)

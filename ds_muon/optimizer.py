@@ -502,7 +502,8 @@ class Muon(Optimizer):
             key = exchange_key(layout, todo, self.param_groups)
             compiled = self._exchanges.get(key, lambda: compile_exchanges(
                 layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
-                comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group)))
+                comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group),
+                offload=bool(getattr(self.adapter, "offload", False))))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 

@@ -14,9 +14,34 @@ import dist_harness
 pytest.importorskip("deepspeed")
 
 from ds_muon import deepspeed as ds_muon_deepspeed  # noqa: E402
-from test_deepspeed import ENV, MUON_NAMES, PARAMS, ds_config, full_fp32, make_model, train  # noqa: E402
+from test_deepspeed import ENV, PARAMS, VOCAB, TinyLM, ds_config, full_fp32, train  # noqa: E402
 
 OFFLOAD = {"device": "cpu", "pin_memory": True}
+
+
+class StackLM(TinyLM):
+    """test_deepspeed's TinyLM and two more square layers: a home stacks same-shape matrices."""
+
+    def __init__(self):
+        super().__init__()
+        dim = self.mix.in_features
+        self.mix2, self.mix3 = torch.nn.Linear(dim, dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, tokens, targets):
+        h = self.embed(tokens)
+        h = h + self.down(torch.relu(self.up(h)))
+        h = h + self.mix3(torch.tanh(self.mix2(h)))
+        h = h + self.proj(torch.tanh(self.gate(self.mix(h))))
+        logits = self.lm_head(self.norm(h)).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+MUON_NAMES = ["up.weight", "down.weight", "mix.weight", "mix2.weight", "mix3.weight", "gate.weight", "proj.weight"]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return StackLM()
 STEPS = 3
 
 
@@ -43,10 +68,33 @@ DS_CASES = [(1, "float32", False, 0.0), (1, "bfloat16", False, 1.0), (2, "bfloat
             (2, "float32", True, 1.0), (3, "float32", False, 0.0), (3, "bfloat16", True, 0.0)]
 
 
+def _chunks_recorded():
+    """Run NS on offloaded stacks one matrix per chunk (the pipeline's chunk loop, on the host here),
+    recording (matrices in the stack, matrices per chunk) of each NS call."""
+    from ds_muon import offload
+
+    offload.SCRATCH_BYTES = 1
+    seen = []
+    chunk_matrices = offload.chunk_matrices
+
+    def recording(stack, out_dtype, budget=None):
+        n = chunk_matrices(stack, out_dtype, budget)
+        seen.append((len(stack), n))
+        return n
+    offload.chunk_matrices = recording
+    return seen
+
+
 def _deepspeed_worker(rank, world):
+    seen = _chunks_recorded()
     out = []
     for stage, ns_dtype, bf16, clip in DS_CASES:
-        pair = [_run(offload_config(stage, ns_dtype, off, bf16, clip)) for off in (False, True)]
+        pair = []
+        for off in (False, True):
+            seen.clear()
+            result, info = _run(offload_config(stage, ns_dtype, off, bf16, clip))
+            info["chunked"] = list(seen)
+            pair.append((result, info))
         out.append(pair)
     return out
 
@@ -55,10 +103,15 @@ def test_zero_offload_bitwise_equals_no_offload():
     """ZeRO-1/2/3, fp32 and bf16 NS, fp32 and bf16 models, with and without clipping:
     offload changes nothing in the result."""
     init = make_model().state_dict()
+    stacked = {}  # case -> some home cut a stack of several matrices into chunks
     for rank, results in enumerate(dist_harness.run(_deepspeed_worker, 2, timeout=600, env=ENV)):
         for case, ((plain, plain_info), (off, off_info)) in zip(DS_CASES, results):
             assert off_info["offload"] is True and plain_info["offload"] is False, (case, off_info, plain_info)
             assert off_info["state_devices"] == {"cpu"}, (case, off_info)
+            assert not plain_info["chunked"], (case, plain_info)  # without offload NS runs on whole stacks
+            stacks = off_info["chunked"]  # with offload every stack at this home went through the chunk loop
+            assert all(n == 1 for _, n in stacks), (case, stacks)
+            stacked[case] = stacked.get(case, False) or any(k > 1 for k, _ in stacks)
             assert off_info["momenta"] >= 1, (case, off_info)
             assert off_info["wrapper"] == ("DeepSpeedZeroOptimizer_Stage3" if case[0] == 3
                                            else "DeepSpeedZeroOptimizer"), (case, off_info)
@@ -66,6 +119,7 @@ def test_zero_offload_bitwise_equals_no_offload():
                 assert torch.equal(off[name], want), f"{case} rank {rank}: {name} differs with offload " \
                     f"(max {float((off[name] - want).abs().max()):.3g})"
             assert all(float((plain[n] - init[n]).abs().max()) > 1e-3 for n in MUON_NAMES), case
+    assert stacked == dict.fromkeys(DS_CASES, True), stacked
 
 
 # -- checkpoints: save/load with offload resumes bitwise, and a run may switch offload on or off --
@@ -83,7 +137,7 @@ def _checkpoint_worker(rank, world, path):
         train(engine, 2, start=2)
         want = full_fp32(engine)
         torch.manual_seed(123)  # a different init: everything must come from the checkpoint
-        engine2, _, _, _ = ds_muon_deepspeed.initialize(model=type(make_model())(),
+        engine2, _, _, _ = ds_muon_deepspeed.initialize(model=StackLM(),
                                                         config=offload_config(stage, "bfloat16", load_off, bf16))
         engine2.load_checkpoint(path, tag=f"case{k}")
         muon2 = engine2.basic_optimizer
@@ -112,3 +166,31 @@ def test_config_a_deepspeed_user_writes():
     forced = dict(offload_config(3, "float32", True), zero_force_ds_cpu_optimizer=True)
     with pytest.raises(ValueError, match="zero_force_ds_cpu_optimizer.*remove it"):
         ds_muon_deepspeed.optimizer_from_config(make_model(), forced)
+
+
+# -- the NS pipeline's chunk loop (on the host here; tests/test_cuda.py runs it on a GPU) --------
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_chunked_ns_bitwise_equals_whole_stack(ns_dtype):
+    from ds_muon.compile import NSSettings
+    from ds_muon.offload import chunk_matrices, run_ns, scratch_bytes
+
+    ns = NSSettings(5, "keller", ns_dtype, 1e-7, "standard")
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7, 24, 40), (5, 40, 24), (1, 16, 16)]:
+        stack = torch.randn(shape, generator=g)
+        whole = ns.run(stack)
+        per = scratch_bytes(shape[1] * shape[2], 1, stack.element_size(), ns_dtype.itemsize)
+        for budget in (1, 2 * per, 3 * per + 1, 10**9):
+            want_chunk = max(1, min(shape[0], budget // per))
+            assert chunk_matrices(stack, ns_dtype, budget) == want_chunk
+            got = run_ns(ns.run, stack, ns_dtype, device=torch.device("cpu"), budget=budget)
+            assert got.dtype == whole.dtype and torch.equal(got, whole), (shape, budget)
+
+
+def test_host_state_and_exchange_device_without_accelerator():
+    from ds_muon.offload import accelerator, exchange_device, host_state
+
+    t = torch.zeros(3, 3)
+    assert not host_state(t) and host_state(t, offload=True)
+    if accelerator() is None:  # a CPU-only machine: everything stays on the host
+        assert exchange_device(torch.device("cpu"), None) == torch.device("cpu")

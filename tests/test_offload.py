@@ -194,3 +194,88 @@ def test_host_state_and_exchange_device_without_accelerator():
     assert not host_state(t) and host_state(t, offload=True)
     if accelerator() is None:  # a CPU-only machine: everything stays on the host
         assert exchange_device(torch.device("cpu"), None) == torch.device("cpu")
+
+
+# -- FSDP2 with CPUOffloadPolicy ---------------------------------------------------------
+FSDP_CASES = [("float32", False), ("bfloat16", False), ("float32", True)]  # (ns_dtype, bf16 mixed precision)
+
+
+def _fsdp2(offload, ns_dtype, mixed, seed=0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    import ds_muon
+    from models import make_gpt
+
+    model = make_gpt(seed=seed, gate=True)
+    kw = {"mesh": init_device_mesh("cpu", (torch.distributed.get_world_size(),))}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
+    if mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-3, weight_decay=0.1),
+                       momentum=0.95, ns_dtype=getattr(torch, ns_dtype))
+    return model, opt
+
+
+def _fsdp2_train(model, opt, data):
+    from models import lm_loss
+
+    for idx in data:
+        lm_loss(model, idx).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _fsdp2_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    from models import batches
+
+    data = batches(5, batch=4, seq=16, vocab=64, seed=1)
+    out = []
+    for k, (ns_dtype, mixed) in enumerate(FSDP_CASES):
+        full = []
+        for offload in (False, True):
+            model, opt = _fsdp2(offload, ns_dtype, mixed)
+            _fsdp2_train(model, opt, data[:3])
+            full.append({n: p.full_tensor().clone() for n, p in model.named_parameters()})
+            if offload:  # save at step 3, train 2 more; a fresh offloaded model resumes from the save
+                state_devices = {str(t.to_local().device) for s in opt.state.values() for t in s.values()
+                                 if hasattr(t, "to_local")}
+                ckpt = f"{path}/case{k}"
+                dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                         checkpoint_id=ckpt)
+                _fsdp2_train(model, opt, data[3:])
+                straight = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+                model2, opt2 = _fsdp2(True, ns_dtype, mixed, seed=7)
+                _fsdp2_train(model2, opt2, data[:1])  # state to load into
+                state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+                dcp.load(state, checkpoint_id=ckpt)
+                set_model_state_dict(model2, state["model"])
+                set_optimizer_state_dict(model2, opt2, state["optim"])
+                _fsdp2_train(model2, opt2, data[3:])
+                resumed = {n: p.full_tensor().clone() for n, p in model2.named_parameters()}
+        out.append((full[0], full[1], straight, resumed, state_devices))
+    return out
+
+
+def test_fsdp2_cpu_offload_bitwise_equals_no_offload(tmp_path):
+    """FSDP2 with CPUOffloadPolicy, fp32 and bf16 NS, bf16 mixed precision: bitwise the run without
+    offload, and a DCP save/load resumes bitwise."""
+    from models import make_gpt
+
+    init = dict(make_gpt(seed=0, gate=True).named_parameters())
+    for results in dist_harness.run(_fsdp2_worker, 2, str(tmp_path), timeout=300):
+        for case, (plain, off, straight, resumed, devices) in zip(FSDP_CASES, results):
+            assert devices == {"cpu"}, (case, devices)
+            for name, want in plain.items():
+                assert torch.equal(off[name], want), f"{case}: {name} differs with CPUOffloadPolicy"
+                assert torch.equal(resumed[name], straight[name]), f"{case}: {name} differs after resume"
+            moved = [n for n, p in init.items() if p.ndim == 2 and float((plain[n] - p).abs().max()) > 1e-3]
+            assert len(moved) >= 4, (case, moved)

@@ -118,7 +118,7 @@ def plot_rows(rows: List[dict], path: str) -> None:
 
 def cmd_plan(args) -> int:
     shapes = load_shapes(args.preset, args.hf_config, args.shapes)
-    cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8)
+    cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8, args.pcie_gbps * 1e9 / 8, args.offload)
     rows = plan_rows(shapes, args.world_sizes, args.layout, args.strategies, args.ns_steps, cm)
     if args.plot:
         plot_rows(rows, args.plot)
@@ -127,7 +127,8 @@ def cmd_plan(args) -> int:
         print()
         return 0
     print(f"{len(shapes)} matrices, {args.layout} layout, NS {args.ns_steps} steps, "
-          f"{args.tflops:g} TFLOP/s per rank, {args.link_gbps:g} Gbit/s per rank")
+          f"{args.tflops:g} TFLOP/s per rank, {args.link_gbps:g} Gbit/s per rank"
+          + (f", optimizer state offloaded to the host ({args.pcie_gbps:g} Gbit/s host<->device)" if args.offload else ""))
     cols = list(rows[0].keys())
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" for _ in cols) + "|")
@@ -160,6 +161,11 @@ def main(argv=None) -> int:
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
     p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
+    p.add_argument("--offload", action="store_true",
+                   help="optimizer state in host memory (ZeRO-Offload, FSDP2 CPUOffloadPolicy): add each rank's "
+                        "host<->device copies of its pieces and results (column max_host_bytes)")
+    p.add_argument("--pcie-gbps", type=float, default=400.0,
+                   help="host<->device Gbit/s per rank under --offload (default: 400, PCIe Gen5 x16 in practice)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write a PNG of modelled step time and traffic against world size")
     p.set_defaults(fn=cmd_plan)

@@ -279,3 +279,33 @@ def test_fsdp2_cpu_offload_bitwise_equals_no_offload(tmp_path):
                 assert torch.equal(resumed[name], straight[name]), f"{case}: {name} differs after resume"
             moved = [n for n, p in init.items() if p.ndim == 2 and float((plain[n] - p).abs().max()) > 1e-3]
             assert len(moved) >= 4, (case, moved)
+
+
+# -- ds-muon plan: host<->device traffic of offload ------------------------------------------
+def test_plan_models_offload_pcie_traffic(capsys):
+    """Each rank copies its pieces to the device and the results back (2 x held x bytes); that time
+    is added at the PCIe rate, and it never moves a home."""
+    import json
+
+    from ds_muon import cli, costs
+    from ds_muon.planner import CostModel, MatrixTask, host_traffic, plan_homes
+
+    tasks = [MatrixTask(64, 32, held=(2048, 0)), MatrixTask(32, 32, held=(512, 512)), MatrixTask(16, 64, held=(0, 1024))]
+    assert host_traffic(tasks, 2) == [2 * 2 * (2048 + 512), 2 * 2 * (512 + 1024)]
+    plain, off = CostModel(), CostModel(pcie_bytes_per_s=1e9, offload=True)
+    a, b = plan_homes(tasks, 2, cost_model=plain), plan_homes(tasks, 2, cost_model=off)
+    assert a.homes == b.homes
+    for t0, t1, h in zip(a.step_time(), b.step_time(), host_traffic(tasks, 2)):
+        assert t1 == pytest.approx(t0 + h / 1e9)
+    row = costs.compare(tasks, 2, off, ["locality", "duplicated"])
+    assert [r["max_host_bytes"] for r in row] == [max(host_traffic(tasks, 2))] * 2
+    assert "max_host_bytes" not in costs.compare(tasks, 2, plain, ["locality"])[0]
+
+    assert cli.main(["plan", "--preset", "gpt-125m", "--world-sizes", "8", "--strategies", "locality", "--json"]) == 0
+    base = json.loads(capsys.readouterr().out)[0]
+    assert cli.main(["plan", "--preset", "gpt-125m", "--world-sizes", "8", "--strategies", "locality", "--json",
+                     "--offload", "--pcie-gbps", "200"]) == 0
+    with_offload = json.loads(capsys.readouterr().out)[0]
+    assert with_offload["max_host_bytes"] > 0
+    extra_ms = with_offload["modelled_step_ms"] - base["modelled_step_ms"]
+    assert extra_ms == pytest.approx(with_offload["max_host_bytes"] / 25e9 * 1e3, rel=1e-3)

@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .cpu_adam import adamw_kernel
 from .integrations.base import HOW_TO_BIND
 from .integrations.deepspeed import (allow_client_optimizer_offload, bind, check_no_deepspeed_muon_tags,
                                      check_supported_config)
@@ -46,6 +47,7 @@ OPTIMIZER_TYPE = "DsMuon"
 # cannot apply under DeepSpeed (its gradients are final only inside its own reduction)
 _NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward", "adapter")
 _GROUP_KEYS = ("adam_lr", "adam_weight_decay", "routers")
+_ENTRY_KEYS = ("adam_kernel",)  # entry settings that are neither Muon keywords nor group keys
 
 
 def accepted_params():
@@ -53,7 +55,7 @@ def accepted_params():
     sig = inspect.signature(Muon.__init__)
     keys = [k for k, v in sig.parameters.items()
             if k not in _NOT_FROM_CONFIG and v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
-    return sorted(set(keys) | set(_GROUP_KEYS))
+    return sorted(set(keys) | set(_GROUP_KEYS) | set(_ENTRY_KEYS))
 
 
 def load_config(config) -> Dict[str, Any]:
@@ -121,10 +123,19 @@ def parse_params(params: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict
 
 
 def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any]]) -> Muon:
-    """``Muon`` over ``muon_param_groups(model)`` from a DsMuon entry's ``params``."""
+    """``Muon`` over ``muon_param_groups(model)`` from a DsMuon entry's ``params``.
+
+    ``"adam_kernel": "deepspeed_cpu"`` steps the AdamW tensors held on the host with
+    DeepSpeed's CPU Adam (:mod:`ds_muon.cpu_adam`: faster, not bitwise torch's AdamW);
+    the default ``"torch"`` keeps an offloaded run bitwise the run without."""
+    entry_params = dict(entry_params or {})
+    kernel = adamw_kernel(str(entry_params.pop("adam_kernel", "torch")))
     muon_kw, group_kw = parse_params(entry_params)
     groups = muon_param_groups(model, **group_kw)
-    return Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
+    muon = Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
+    if kernel is not None:
+        muon.adamw_kernel = kernel
+    return muon
 
 
 def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any], Optional[Muon]]:

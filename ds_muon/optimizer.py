@@ -421,7 +421,8 @@ class Muon(Optimizer):
             return
         st = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        functional_adamw(
+        kernel = getattr(self, "adamw_kernel", None) or functional_adamw  # opt-in: ds_muon.cpu_adam
+        kernel(
             [local_shard(p) for p in params], [local_shard(p.grad) for p in params], [local_shard(s["exp_avg"]) for s in st],
             [local_shard(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],

@@ -309,3 +309,43 @@ def test_plan_models_offload_pcie_traffic(capsys):
     assert with_offload["max_host_bytes"] > 0
     extra_ms = with_offload["modelled_step_ms"] - base["modelled_step_ms"]
     assert extra_ms == pytest.approx(with_offload["max_host_bytes"] / 25e9 * 1e3, rel=1e-3)
+
+
+# -- opt-in: DeepSpeed's CPU Adam for the AdamW tensors on the host ---------------------------
+def _cpu_adam_built() -> bool:
+    """DeepSpeed JIT-builds its CPU Adam on first use (minutes); the test runs where it is built."""
+    import os
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        return os.path.exists(os.path.join(_get_build_directory("cpu_adam", False), "cpu_adam.so"))
+    except Exception:
+        return False
+
+
+def _cpu_adam_worker(rank, world):
+    out = []
+    for kernel in ("torch", "deepspeed_cpu"):
+        cfg = offload_config(2, "float32", True)
+        cfg["optimizer"]["params"]["adam_kernel"] = kernel
+        out.append(_run(cfg)[0])
+    return out
+
+
+@pytest.mark.skipif(not _cpu_adam_built(), reason="DeepSpeed's cpu_adam extension is not built here (first use "
+                    "builds it, minutes): run `python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; "
+                    "CPUAdamBuilder().load()'` once")
+def test_deepspeed_cpu_adam_opt_in_is_close_not_bitwise():
+    """``"adam_kernel": "deepspeed_cpu"``: AdamW through DeepSpeed's CPU Adam, within rounding of torch's
+    (benchmarks/cpu_adam_parity.py measures how far); the default stays torch's."""
+    from ds_muon.cpu_adam import DeepSpeedCPUAdamKernel, adamw_kernel
+
+    with pytest.raises(ValueError, match="adam_kernel.*deepspeed_cpu"):
+        adamw_kernel("cpu")
+    assert adamw_kernel("torch") is None and isinstance(adamw_kernel("deepspeed_cpu"), DeepSpeedCPUAdamKernel)
+    adam_names = ["embed.weight", "lm_head.weight", "norm.weight", "up.bias"]
+    for torch_run, ds_run in dist_harness.run(_cpu_adam_worker, 2, timeout=300, env=ENV):
+        assert any(not torch.equal(torch_run[n], ds_run[n]) for n in adam_names)  # the kernel really ran
+        for name, want in torch_run.items():
+            torch.testing.assert_close(ds_run[name], want, rtol=0, atol=1e-5, msg=name)

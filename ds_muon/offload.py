@@ -13,9 +13,10 @@ moves:
 * :func:`run_ns`: NS on a host stack, in chunks of whole matrices: chunk k+1 is copied
   host→device on one stream and chunk k-1 device→host on another while chunk k runs NS,
   through two pinned staging slots each way.  Device scratch memory is bounded by
-  :func:`scratch_bytes` ≤ ``SCRATCH_BYTES`` (256 MiB; set ``ds_muon.offload.SCRATCH_BYTES``
+  :func:`scratch_bytes` ≤ 256 MiB (``DEFAULT_SCRATCH_BYTES``; set ``ds_muon.offload.SCRATCH_BYTES``
   to change it), unless one matrix alone needs more: then chunks hold one matrix.
-  Without an accelerator the same chunk loop runs on the host and copies nothing.
+  Without an accelerator NS runs on whole stacks where they are (nothing to bound); with
+  ``SCRATCH_BYTES`` set, the same chunk loop runs on the host and copies nothing.
 
 Every chunk is orthogonalized by the same call on the same device as the whole stack
 would be (NS treats each matrix of a batch on its own), so results do not depend on
@@ -29,8 +30,10 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-DEFAULT_SCRATCH_BYTES = 256 * 2**20
-SCRATCH_BYTES = DEFAULT_SCRATCH_BYTES  # device memory one NS call on offloaded stacks may use (read at each call)
+DEFAULT_SCRATCH_BYTES = 256 * 2**20  # device memory one NS call on offloaded stacks may use
+# Set to a number of bytes to chunk by it everywhere, on the host too (where tests exercise the
+# pipeline's loop); None: DEFAULT_SCRATCH_BYTES on an accelerator, whole stacks without one.
+SCRATCH_BYTES: Optional[int] = None
 NS_WORKSPACE = 8  # NS temporaries per matrix, in elements of the matrix (input cast, X, two buffers, A, B, output)
 
 
@@ -65,8 +68,9 @@ def scratch_bytes(numel: int, count: int, in_itemsize: int, out_itemsize: int) -
 
 def chunk_matrices(stack: torch.Tensor, out_dtype: torch.dtype, budget: Optional[int] = None) -> int:
     """How many matrices of ``stack`` one chunk holds so that :func:`scratch_bytes` stays within
-    ``budget`` (default ``SCRATCH_BYTES``; at least one)."""
-    budget = SCRATCH_BYTES if budget is None else budget
+    ``budget`` (default ``SCRATCH_BYTES`` or ``DEFAULT_SCRATCH_BYTES``; at least one)."""
+    if budget is None:
+        budget = SCRATCH_BYTES if SCRATCH_BYTES is not None else DEFAULT_SCRATCH_BYTES
     per = scratch_bytes(stack[0].numel(), 1, stack.element_size(), out_dtype.itemsize) if len(stack) else 1
     return max(1, min(len(stack), budget // max(per, 1)))
 
@@ -76,6 +80,8 @@ def run_ns(run: Callable[[torch.Tensor], torch.Tensor], stack: torch.Tensor, out
     """``run`` (NS on a batch ``[k, rows, cols]``) over ``stack`` in chunks on ``device``
     (default :func:`accelerator`, else the stack's own); the result is on the stack's device."""
     device = device if device is not None else (accelerator() or stack.device)
+    if torch.device(device) == stack.device and budget is None and SCRATCH_BYTES is None:
+        return run(stack)  # no device memory to bound: the whole stack where it is
     chunk = chunk_matrices(stack, out_dtype, budget)
     if chunk >= len(stack) and torch.device(device) == stack.device:
         return run(stack)  # one chunk, nothing to copy

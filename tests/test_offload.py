@@ -99,12 +99,25 @@ def _deepspeed_worker(rank, world):
     return out
 
 
-def test_zero_offload_bitwise_equals_no_offload():
+def _all_deepspeed_worker(rank, world, path, cpu_adam):
+    """Every DeepSpeed case in one spawned run (engines are slow to build, imports slower)."""
+    return (_deepspeed_worker(rank, world), _checkpoint_worker(rank, world, path),
+            _cpu_adam_worker(rank, world) if cpu_adam else None)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """Per rank: (parity results, checkpoint results, CPU Adam results or None)."""
+    path = str(tmp_path_factory.mktemp("offload_ckpt"))
+    return dist_harness.run(_all_deepspeed_worker, 2, path, _cpu_adam_built(), timeout=600, env=ENV)
+
+
+def test_zero_offload_bitwise_equals_no_offload(deepspeed_runs):
     """ZeRO-1/2/3, fp32 and bf16 NS, fp32 and bf16 models, with and without clipping:
     offload changes nothing in the result."""
     init = make_model().state_dict()
     stacked = {}  # case -> some home cut a stack of several matrices into chunks
-    for rank, results in enumerate(dist_harness.run(_deepspeed_worker, 2, timeout=600, env=ENV)):
+    for rank, results in enumerate(r[0] for r in deepspeed_runs):
         for case, ((plain, plain_info), (off, off_info)) in zip(DS_CASES, results):
             assert off_info["offload"] is True and plain_info["offload"] is False, (case, off_info, plain_info)
             assert off_info["state_devices"] == {"cpu"}, (case, off_info)
@@ -147,8 +160,8 @@ def _checkpoint_worker(rank, world, path):
     return out
 
 
-def test_offload_checkpoint_resume_bitwise(tmp_path):
-    for results in dist_harness.run(_checkpoint_worker, 2, str(tmp_path), timeout=600, env=ENV):
+def test_offload_checkpoint_resume_bitwise(deepspeed_runs):
+    for results in (r[1] for r in deepspeed_runs):
         for case, (want, got, devices, steps) in zip(CKPT_CASES, results):
             assert steps == 4, case
             assert devices == {"cpu"}, (case, devices)  # momentum restored beside the host partition
@@ -270,7 +283,7 @@ def test_fsdp2_cpu_offload_bitwise_equals_no_offload(tmp_path):
     offload, and a DCP save/load resumes bitwise."""
     from models import make_gpt
 
-    init = dict(make_gpt(seed=0, gate=True).named_parameters())
+    init = {n: p.detach() for n, p in make_gpt(seed=0, gate=True).named_parameters()}
     for results in dist_harness.run(_fsdp2_worker, 2, str(tmp_path), timeout=300):
         for case, (plain, off, straight, resumed, devices) in zip(FSDP_CASES, results):
             assert devices == {"cpu"}, (case, devices)
@@ -336,7 +349,7 @@ def _cpu_adam_worker(rank, world):
 @pytest.mark.skipif(not _cpu_adam_built(), reason="DeepSpeed's cpu_adam extension is not built here (first use "
                     "builds it, minutes): run `python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; "
                     "CPUAdamBuilder().load()'` once")
-def test_deepspeed_cpu_adam_opt_in_is_close_not_bitwise():
+def test_deepspeed_cpu_adam_opt_in_is_close_not_bitwise(deepspeed_runs):
     """``"adam_kernel": "deepspeed_cpu"``: AdamW through DeepSpeed's CPU Adam, within rounding of torch's
     (benchmarks/cpu_adam_parity.py measures how far); the default stays torch's."""
     from ds_muon.cpu_adam import DeepSpeedCPUAdamKernel, adamw_kernel
@@ -345,7 +358,7 @@ def test_deepspeed_cpu_adam_opt_in_is_close_not_bitwise():
         adamw_kernel("cpu")
     assert adamw_kernel("torch") is None and isinstance(adamw_kernel("deepspeed_cpu"), DeepSpeedCPUAdamKernel)
     adam_names = ["embed.weight", "lm_head.weight", "norm.weight", "up.bias"]
-    for torch_run, ds_run in dist_harness.run(_cpu_adam_worker, 2, timeout=300, env=ENV):
+    for torch_run, ds_run in (r[2] for r in deepspeed_runs):
         assert any(not torch.equal(torch_run[n], ds_run[n]) for n in adam_names)  # the kernel really ran
         for name, want in torch_run.items():
             torch.testing.assert_close(ds_run[name], want, rtol=0, atol=1e-5, msg=name)

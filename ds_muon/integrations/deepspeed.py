@@ -19,6 +19,11 @@ sub-group) before calling ``step()``.  :func:`bind` attaches a :class:`DeepSpeed
 * Stage 0 (no ZeRO, fp32): the client optimizer steps the model's own replicated
   parameters; they are bound as replicas over the data-parallel group.
 
+With ``offload_optimizer: {device: cpu}`` the same partitions (and their ``.grad``) live in
+host memory and DeepSpeed still steps them through the client optimizer: the metadata read
+is the same, and the adapter's ``offload`` tells the engine that the NS work should move to
+the accelerator (:mod:`ds_muon.offload`).  NVMe and partial offload are refused.
+
 Nothing here computes offsets of its own: a misdescribed partition would fail
 in :func:`~ds_muon.layout.build_layout`, not corrupt the update.  DeepSpeed copies
 the partitions into the model's parameters right after ``step()``, so results are

@@ -1,0 +1,265 @@
+"""``Muon.summary()``: what the optimizer does with each tensor, and what a step costs each rank.
+
+Every column is read from the optimizer's own decisions, none re-derived from shapes:
+
+* Muon or AdamW: the tensor's param group (``use_muon``); *why*: the reason
+  :func:`ds_muon.muon_param_groups` recorded when it decided (``param_reasons``,
+  from :func:`ds_muon.selection.param_reasons`), else ``"user group"``;
+* matrices: the logical matrices of the layouts the optimizer binds (split row
+  blocks, one per expert, the global matrix of a tensor-parallel shard), each with
+  the scale factor its update gets (:func:`~ds_muon.scaling.get_muon_scale_factor`
+  of its group, read ``[out, in]`` for a transposed weight, as the step applies it);
+* home ranks and bytes: the exchanges :func:`~ds_muon.compile.compile_exchanges`
+  builds for a step in which every matrix steps (the plan the optimizer compiles
+  and reuses while the same tensors have gradients); NS FLOPs:
+  :func:`~ds_muon.newton_schulz.ns_flops` of the matrices homed at each rank.
+
+Every rank holds the global layout, so every rank computes every rank's columns
+itself: ``str(opt.summary())`` on rank 0 shows the whole picture, with no
+collective once the optimizer is bound.  Before the first step, ``summary()``
+binds the tensors (the same, collective, binding the first step would do), so call
+it on every rank then; afterwards it may be called on any rank alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from .compile import compile_exchanges, ns_settings
+from .exchange import Exchange
+from .layout import Layout, global_shape
+from .newton_schulz import ns_flops
+from .scaling import get_muon_scale_factor
+
+logger = logging.getLogger("ds_muon")
+USER_GROUP = "user group"  # the reason of tensors in groups that recorded none (built by hand)
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    """One logical matrix Newton–Schulz orthogonalizes."""
+
+    key: str  # e.g. "...experts.gate_up_proj[3][gate]": tensor name, then expert and block
+    shape: Tuple[int, int]  # the 2-D matrix NS sees (rows, cols)
+    scale: float  # the update's scale factor
+    homes: Tuple[int, ...]  # global ranks that run its NS (every rank in mode="duplicated")
+    ns_flops: float  # of one NS run
+    held: Tuple[int, ...]  # elements each rank of its domain holds (the planner's input)
+    domain: int  # index of its layout (one per process group; MoE expert domains have their own)
+    ns_steps: int
+    ns_method: str
+    wire_bytes: int  # bytes per element of its gather
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor of ``param_groups``."""
+
+    name: str
+    group: int  # index in param_groups
+    algorithm: str  # "Muon", "AdamW", or "Muon+AdamW" (an FSDP1 flat shard holding both)
+    reason: str
+    shape: Tuple[int, ...]  # as the optimizer sees it (a ZeRO/FSDP1 flat shard is 1-D)
+    matrices: Tuple[MatrixRow, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """What one optimizer step costs one rank."""
+
+    rank: int  # global rank
+    matrices: int  # NS runs at this rank
+    ns_flops: float
+    bytes_sent: int  # gather and scatter together, per step
+    bytes_received: int
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+
+@dataclass
+class Summary:
+    """:meth:`ds_muon.Muon.summary`: rows per tensor (with their matrices) and per rank; ``str()`` is a table."""
+
+    tensors: List[TensorRow]
+    ranks: List[RankRow]
+    world_size: int
+    rank: int
+    mode: str
+    planner: str
+    waves: int
+    domains: int = 1
+    notes: List[str] = field(default_factory=list)
+
+    # -- counts ------------------------------------------------------------------
+    @property
+    def muon_tensors(self) -> int:
+        return sum(t.algorithm != "AdamW" for t in self.tensors)
+
+    @property
+    def adamw_tensors(self) -> int:
+        return sum(t.algorithm == "AdamW" for t in self.tensors)
+
+    @property
+    def matrices(self) -> List[MatrixRow]:
+        return [m for t in self.tensors for m in t.matrices]
+
+    def max_ns_gflop(self) -> float:
+        return max((r.ns_flops for r in self.ranks), default=0.0) / 1e9
+
+    def max_mb_moved(self) -> float:
+        return max((r.bytes_moved for r in self.ranks), default=0) / MB
+
+    def log_line(self) -> str:
+        return (f"ds_muon: {self.muon_tensors} tensors Muon ({len(self.matrices)} matrices), {self.adamw_tensors} "
+                f"AdamW; per step, busiest rank: NS {self.max_ns_gflop():.4g} GFLOP, {self.max_mb_moved():.4g} MB "
+                f"moved (sent + received); world {self.world_size}, mode {self.mode}, planner {self.planner} "
+                "(Muon.summary() prints the table; log_summary=False turns this line off)")
+
+    # -- the planner's table -------------------------------------------------------
+    def plan_rows(self, strategies: Optional[Sequence[str]] = None, cost_model=None) -> List[dict]:
+        """The ``ds-muon plan`` table (:func:`ds_muon.costs.compare`) for this run's own matrices and
+        holdings: the optimizer's strategy next to the baselines, on what each rank really holds."""
+        from . import costs
+        from .planner import CostModel, MatrixTask
+
+        rows = self.matrices
+        if len({m.domain for m in rows}) > 1:
+            raise ValueError("Summary.plan_rows: this optimizer plans in several domains (process groups); the "
+                             "planner's table compares one domain at a time")
+        if not rows:
+            return []
+        tasks = [MatrixTask(m.shape[0], m.shape[1], m.ns_steps, m.wire_bytes, m.held, m.ns_method) for m in rows]
+        return costs.compare(tasks, len(rows[0].held), cost_model or CostModel(),
+                             costs.STRATEGIES if strategies is None else strategies)
+
+    # -- the table -------------------------------------------------------------------
+    def __str__(self) -> str:
+        head = (f"ds_muon.Muon summary: {self.muon_tensors} tensors Muon ({len(self.matrices)} matrices), "
+                f"{self.adamw_tensors} AdamW; world {self.world_size} (computed on rank {self.rank}), mode "
+                f"{self.mode}, planner {self.planner}, {self.waves} wave(s)"
+                + (f", {self.domains} domains" if self.domains > 1 else ""))
+        table = [("tensor", "algo", "why", "shape", "matrix", "rows x cols", "scale", "home")]
+        for t in self.tensors:
+            shape = "x".join(map(str, t.shape))
+            single = len(t.matrices) == 1 and t.matrices[0].key == t.name
+            first = t.matrices[0] if single else None
+            table.append((t.name, t.algorithm, t.reason, shape, *(_matrix_cells(first, t.name) if first else
+                          ("", "", "", "") if not t.matrices else (f"{len(t.matrices)} matrices:", "", "", ""))))
+            if not single:
+                table.extend(("", "", "", "", *_matrix_cells(m, t.name)) for m in t.matrices)
+        ranks = [("rank", "NS matrices", "NS GFLOP", "MB sent", "MB received")]
+        ranks += [(str(r.rank), str(r.matrices), f"{r.ns_flops / 1e9:.4g}", f"{r.bytes_sent / MB:.4g}",
+                   f"{r.bytes_received / MB:.4g}") for r in self.ranks]
+        out = [head, _format(table), "", "per rank, per step:", _format(ranks)]
+        return "\n".join(out + self.notes)
+
+
+def _matrix_cells(m: MatrixRow, name: str) -> Tuple[str, str, str, str]:
+    key = m.key[len(name):] if m.key.startswith(name) and m.key != name else m.key
+    homes = "all" if len(m.homes) > 1 else ",".join(map(str, m.homes))
+    return (key if key != name else "", f"{m.shape[0]} x {m.shape[1]}", f"{m.scale:.4g}", homes)
+
+
+def _format(rows: List[tuple]) -> str:
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# -- building one -------------------------------------------------------------------
+def update_scale(group: dict, shape: Tuple[int, int], transposed: bool) -> float:
+    """The scale factor the update of a ``shape`` matrix of ``group`` gets (as
+    :func:`ds_muon.update.apply_coefficients` applies it: a weight stored ``[in, out]`` reads ``[out, in]``)."""
+    rows, cols = (shape[1], shape[0]) if transposed else shape
+    return get_muon_scale_factor(rows, cols, group["scale_mode"], group["extra_scale_factor"])
+
+
+def _global_ranks(layout: Layout) -> List[int]:
+    if layout.group is None or not (dist.is_available() and dist.is_initialized()):
+        return list(range(layout.world_size))
+    return [dist.get_global_rank(layout.group, r) for r in range(layout.world_size)]
+
+
+def _as_rank(ex: Exchange, rank: int) -> Exchange:
+    """The same exchange as rank ``rank`` compiles it (every rank knows the whole plan): for its bytes."""
+    if rank == ex.rank:
+        return ex
+    return Exchange(dataclasses.replace(ex.layout, rank=rank), ex.active, ex.homes, {i: 0 for i in ex.active},
+                    ex.gather_dtype, ex.scatter_dtype, ex.device, ex.group)
+
+
+def summarize(opt) -> Summary:
+    """:meth:`ds_muon.Muon.summary` (see the module docstring)."""
+    opt._resolve()
+    group_of = opt._muon_groups()
+    by_binding: Dict[int, List[MatrixRow]] = defaultdict(list)
+    flops, homed = defaultdict(float), defaultdict(int)
+    sent, received = defaultdict(int), defaultdict(int)
+    layouts = [lay for lay in opt._layouts if lay.matrices]
+    for d, layout in enumerate(layouts):
+        ranks = _global_ranks(layout)
+        todo = list(range(len(layout.matrices)))
+        homes: Dict[int, Tuple[int, ...]] = {}
+        for ex, _ in compile_exchanges(layout, todo, group_of, mode=opt.mode, planner=opt.planner,
+                                       cost_model=opt.cost_model, comm_dtype=opt.comm_dtype, waves=opt.waves):
+            homes.update((i, ex.homes[i]) for i in ex.active)
+            for r in range(layout.world_size):
+                them = _as_rank(ex, r)
+                sent[ranks[r]] += them.bytes_sent
+                received[ranks[r]] += them.bytes_received
+            wire = ex.gather_dtype.itemsize
+            for i in ex.active:
+                info = layout.matrices[i]
+                b, slot = layout.local[i]
+                g = group_of[id(b.param)]
+                ns = ns_settings(g)
+                cost = ns_flops(info.rows, info.cols, ns.steps, ns.method)
+                at = tuple(ranks[h] for h in homes[i])
+                for h in at:
+                    flops[h] += cost
+                    homed[h] += 1
+                by_binding[id(b)].append(MatrixRow(
+                    info.key, (info.rows, info.cols), update_scale(g, (info.rows, info.cols), slot.transposed), at,
+                    cost, tuple(info.held_numel(r) for r in range(layout.world_size)), d, ns.steps, ns.method, wire))
+    tensors = []
+    for gi, g in enumerate(opt.param_groups):
+        reasons = g.get("param_reasons")
+        reasons = reasons if reasons and len(reasons) == len(g["params"]) else None
+        for pi, p in enumerate(g["params"]):
+            algo, rows = "AdamW", ()
+            if g["use_muon"]:
+                b = opt._bindings[id(p)]
+                order = {s.key: k for k, s in enumerate(b.matrices)}  # the tensor's own order
+                rows = tuple(sorted(by_binding.get(id(b), []), key=lambda m: order[m.key]))
+                algo = "Muon+AdamW" if b.adam_ranges else "Muon"
+            tensors.append(TensorRow(opt._name(gi, pi), gi, algo, reasons[pi] if reasons else USER_GROUP,
+                                     tuple(global_shape(p)), rows))
+    all_ranks = sorted(set(sent) | set(flops)) or [_this_rank()]
+    rank_rows = [RankRow(r, homed[r], flops[r], sent[r], received[r]) for r in all_ranks]
+    notes = ["Homes and bytes are those of a step in which every Muon matrix has a gradient; a step where some "
+             "have none plans (and compiles) its own."] if any(t.matrices for t in tensors) else []
+    return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves,
+                   max(1, len(layouts)), notes)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def log_first_step(opt) -> None:
+    """The one-time INFO line (logger ``"ds_muon"``) after the first step, on global rank 0 only; computed
+    only when that logger shows INFO (the step has bound and planned everything: no collective here)."""
+    if _this_rank() == 0 and logger.isEnabledFor(logging.INFO):
+        logger.info(summarize(opt).log_line())

@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from .experts import adamw_role, takes_adamw
+from .experts import adamw_role
 from .layout import global_shape
 
 HEAD_NAMES: Tuple[str, ...] = ("lm_head", "head", "output", "classifier")
@@ -28,6 +28,15 @@ HIDDEN_MATRIX = "hidden matrix"  # the reason a tensor takes Muon; every other r
 EMBEDDING, OUTPUT_HEAD = "embedding", "output head"
 
 
+def _role(module_name: str, module: nn.Module, pname: str, head_names: Sequence[str], routers: str):
+    """The module role that sends a tensor to AdamW whatever its shape (None: none does)."""
+    if isinstance(module, EMBEDDING_TYPES):
+        return EMBEDDING
+    if module_name.rsplit(".", 1)[-1] in head_names:
+        return OUTPUT_HEAD
+    return adamw_role(module, pname, routers)  # routers, expert biases
+
+
 def param_reasons(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES,
                   routers: str = "adamw") -> Dict[int, str]:
     """Why each trainable parameter (by id) takes Muon (:data:`HIDDEN_MATRIX`) or AdamW: the rules
@@ -36,18 +45,19 @@ def param_reasons(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES,
     have two, joined by ", "), else ``"1-D"`` (``"0-D"``) for tensors that are not matrices."""
     roles: Dict[int, List[str]] = {}
     for mod_name, mod in model.named_modules():
-        last = mod_name.rsplit(".", 1)[-1]
         for n, p in mod.named_parameters(recurse=False):
-            role = (EMBEDDING if isinstance(mod, EMBEDDING_TYPES) else OUTPUT_HEAD if last in head_names
-                    else adamw_role(mod, n, routers))  # routers, expert biases
+            role = _role(mod_name, mod, n, head_names, routers)
             if role is not None and role not in roles.setdefault(id(p), []):
                 roles[id(p)].append(role)
     out: Dict[int, str] = {}
     for _, p in model.named_parameters():  # a tied weight appears once
         if p.requires_grad:
-            ndim = len(global_shape(p))
-            out[id(p)] = ", ".join(roles.get(id(p), [])) or (HIDDEN_MATRIX if ndim >= 2 else f"{ndim}-D")
+            out[id(p)] = ", ".join(roles.get(id(p), [])) or _by_shape(global_shape(p))
     return out
+
+
+def _by_shape(shape: Sequence[int]) -> str:
+    return HIDDEN_MATRIX if len(shape) >= 2 else f"{len(shape)}-D"
 
 
 def split_params(
@@ -62,11 +72,16 @@ def split_params(
     return muon, adam
 
 
+def param_reason(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
+                 head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
+    """:func:`param_reasons` for one original tensor of ``module`` (where parameters are flattened, FSDP1)."""
+    return _role(module_name, module, name, head_names, routers) or _by_shape(shape)
+
+
 def is_muon_param(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
                   head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
     """The same rule for one original tensor (used where parameters are flattened, FSDP1)."""
-    return (len(shape) >= 2 and not isinstance(module, EMBEDDING_TYPES)
-            and module_name.rsplit(".", 1)[-1] not in head_names and not takes_adamw(module, name, routers))
+    return param_reason(name, shape, module_name, module, head_names, routers) == HIDDEN_MATRIX
 
 
 def stores_in_out(module: nn.Module, pname: str) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -196,6 +197,15 @@ def _as_rank(ex: Exchange, rank: int) -> Exchange:
                     ex.gather_dtype, ex.scatter_dtype, ex.device, ex.group)
 
 
+def _mixed(p, binding) -> bool:
+    """Does the tensor hold AdamW elements besides its matrices, on any rank?  (An FSDP1
+    FlatParameter: its originals' sizes, ``_numels``, are known on every rank.)"""
+    numels = getattr(p, "_numels", None)
+    if numels is None:
+        return bool(binding.adam_ranges)
+    return sum(numels) > sum(math.prod(s.shape) for s in binding.matrices)
+
+
 def summarize(opt) -> Summary:
     """:meth:`ds_muon.Muon.summary` (see the module docstring)."""
     opt._resolve()
@@ -239,7 +249,7 @@ def summarize(opt) -> Summary:
                 b = opt._bindings[id(p)]
                 order = {s.key: k for k, s in enumerate(b.matrices)}  # the tensor's own order
                 rows = tuple(sorted(by_binding.get(id(b), []), key=lambda m: order[m.key]))
-                algo = "Muon+AdamW" if b.adam_ranges else "Muon"
+                algo = "Muon+AdamW" if _mixed(p, b) else "Muon"
             tensors.append(TensorRow(opt._name(gi, pi), gi, algo, reasons[pi] if reasons else USER_GROUP,
                                      tuple(global_shape(p)), rows))
     all_ranks = sorted(set(sent) | set(flops)) or [_this_rank()]

@@ -229,3 +229,34 @@ def test_fsdp2_homes_and_bytes_are_the_exchanges(world):
     assert len(out[0]["logged"]) == 1 and all(r["logged"] == [] for r in out[1:])
     assert "14 tensors Muon (14 matrices), 7 AdamW" in out[0]["logged"][0]
     assert all(f"computed on rank {k}" in r["text"] for k, r in enumerate(out))
+
+
+# -- W=2 FSDP1: reasons recorded from FSDP1's metadata ---------------------------------------
+def _fsdp1_worker(rank, world):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    out = {}
+    for orig in (True, False):
+        fsdp = FSDP(tiny_llama(), device_id=torch.device("cpu"), use_orig_params=orig,
+                    auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp)
+        s = opt.summary()
+        _train(fsdp, opt, steps=1)
+        assert opt.summary().tensors == s.tensors
+        out[orig] = ([(t.name, t.algorithm, t.reason) for t in s.tensors], sorted((m.key, m.shape) for m in s.matrices))
+    return out
+
+
+def test_fsdp1_reasons_and_matrices_match_the_plain_model():
+    model = tiny_llama()
+    plain = ds_muon.Muon(ds_muon.muon_param_groups(model)).summary()
+    reasons = {t.name: (t.algorithm, t.reason) for t in plain.tensors}
+    matrices = sorted((m.key, m.shape) for m in plain.matrices)
+    for r in dist_harness.run(_fsdp1_worker, 2, timeout=240):
+        orig_rows, orig_matrices = r[True]
+        assert {name: (algo, why) for name, algo, why in orig_rows} == reasons  # use_orig_params=True
+        flat_rows, flat_matrices = r[False]
+        assert {(algo, why) for _, algo, why in flat_rows} == {("Muon+AdamW", "FSDP1 flat parameter")}
+        assert orig_matrices == flat_matrices == matrices

@@ -347,10 +347,8 @@ class Muon(Optimizer):
             loss = self._stages(loss)
         finally:
             self._flats = None
-        if not self._summary_logged:
-            self._summary_logged = True
-            if getattr(self, "log_summary", True):  # absent from copies pickled before it existed
-                log_first_step(self)
+        if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
+            self._summary_logged = log_first_step(self)
         return loss
 
     def _stages(self, loss):

@@ -206,58 +206,114 @@ def _mixed(p, binding) -> bool:
     return sum(numels) > sum(math.prod(s.shape) for s in binding.matrices)
 
 
+def _bound_sets(opt) -> List[tuple]:
+    """The ``(bindings, layouts)`` a step uses: the current ones, and under DeepSpeed (which hands
+    the optimizer one param group or ZeRO-3 sub-group at a time, as fixed flat partitions) every
+    set bound so far."""
+    opt._resolve()
+    if opt.adapter.applies_in_step:
+        return [s for s in opt._resolved.values()]
+    return [(opt._bindings, opt._layouts)]
+
+
+def _base(key: str) -> str:
+    """The tensor name of a matrix key (``name[expert][block]`` -> ``name``)."""
+    return key.split("[", 1)[0]
+
+
+def _groups_of(opt, bindings) -> Dict[int, dict]:
+    """Each bound tensor's Muon param group; a DeepSpeed partition no longer in ``param_groups``
+    (ZeRO-3 empties them between calls) by the group that names its matrices."""
+    current = opt._muon_groups()
+    by_name = {n: g for g in opt.param_groups if g["use_muon"] for n in g.get("param_names") or []}
+    out = {}
+    for pid, b in bindings.items():
+        g = current.get(pid)
+        if g is None and b.matrices:
+            g = by_name.get(_base(b.matrices[0].key))
+        if g is None:
+            raise RuntimeError(f"ds_muon: Muon.summary(): no param group holds the tensor of matrix "
+                               f"{b.matrices[0].key if b.matrices else '?'}; call it after the first step")
+        out[pid] = g
+    return out
+
+
 def summarize(opt) -> Summary:
     """:meth:`ds_muon.Muon.summary` (see the module docstring)."""
-    opt._resolve()
-    group_of = opt._muon_groups()
-    by_binding: Dict[int, List[MatrixRow]] = defaultdict(list)
+    by_key: Dict[str, MatrixRow] = {}
     flops, homed = defaultdict(float), defaultdict(int)
     sent, received = defaultdict(int), defaultdict(int)
-    layouts = [lay for lay in opt._layouts if lay.matrices]
-    for d, layout in enumerate(layouts):
-        ranks = _global_ranks(layout)
-        todo = list(range(len(layout.matrices)))
-        homes: Dict[int, Tuple[int, ...]] = {}
-        for ex, _ in compile_exchanges(layout, todo, group_of, mode=opt.mode, planner=opt.planner,
-                                       cost_model=opt.cost_model, comm_dtype=opt.comm_dtype, waves=opt.waves):
-            homes.update((i, ex.homes[i]) for i in ex.active)
-            for r in range(layout.world_size):
-                them = _as_rank(ex, r)
-                sent[ranks[r]] += them.bytes_sent
-                received[ranks[r]] += them.bytes_received
-            wire = ex.gather_dtype.itemsize
-            for i in ex.active:
-                info = layout.matrices[i]
-                b, slot = layout.local[i]
-                g = group_of[id(b.param)]
-                ns = ns_settings(g)
-                cost = ns_flops(info.rows, info.cols, ns.steps, ns.method)
-                at = tuple(ranks[h] for h in homes[i])
-                for h in at:
-                    flops[h] += cost
-                    homed[h] += 1
-                by_binding[id(b)].append(MatrixRow(
-                    info.key, (info.rows, info.cols), update_scale(g, (info.rows, info.cols), slot.transposed), at,
-                    cost, tuple(info.held_numel(r) for r in range(layout.world_size)), d, ns.steps, ns.method, wire))
-    tensors = []
-    for gi, g in enumerate(opt.param_groups):
-        reasons = g.get("param_reasons")
-        reasons = reasons if reasons and len(reasons) == len(g["params"]) else None
-        for pi, p in enumerate(g["params"]):
-            algo, rows = "AdamW", ()
-            if g["use_muon"]:
-                b = opt._bindings[id(p)]
-                order = {s.key: k for k, s in enumerate(b.matrices)}  # the tensor's own order
-                rows = tuple(sorted(by_binding.get(id(b), []), key=lambda m: order[m.key]))
-                algo = "Muon+AdamW" if _mixed(p, b) else "Muon"
-            tensors.append(TensorRow(opt._name(gi, pi), gi, algo, reasons[pi] if reasons else USER_GROUP,
-                                     tuple(global_shape(p)), rows))
+    bindings: Dict[int, object] = {}
+    domains = 0
+    for bound, layouts in _bound_sets(opt):
+        bindings.update(bound)
+        group_of = _groups_of(opt, bound)
+        for layout in (lay for lay in layouts if lay.matrices):
+            d, domains = domains, domains + 1
+            ranks = _global_ranks(layout)
+            for ex, _ in compile_exchanges(layout, list(range(len(layout.matrices))), group_of, mode=opt.mode,
+                                           planner=opt.planner, cost_model=opt.cost_model,
+                                           comm_dtype=opt.comm_dtype, waves=opt.waves):
+                for r in range(layout.world_size):
+                    them = _as_rank(ex, r)
+                    sent[ranks[r]] += them.bytes_sent
+                    received[ranks[r]] += them.bytes_received
+                for i in ex.active:
+                    info = layout.matrices[i]
+                    b, slot = layout.local[i]
+                    g = group_of[id(b.param)]
+                    ns = ns_settings(g)
+                    cost = ns_flops(info.rows, info.cols, ns.steps, ns.method)
+                    at = tuple(ranks[h] for h in ex.homes[i])
+                    for h in at:
+                        flops[h] += cost
+                        homed[h] += 1
+                    by_key[info.key] = MatrixRow(
+                        info.key, (info.rows, info.cols), update_scale(g, (info.rows, info.cols), slot.transposed),
+                        at, cost, tuple(info.held_numel(r) for r in range(layout.world_size)), d, ns.steps,
+                        ns.method, ex.gather_dtype.itemsize)
+    tensors = _tensor_rows(opt, bindings, by_key)
     all_ranks = sorted(set(sent) | set(flops)) or [_this_rank()]
     rank_rows = [RankRow(r, homed[r], flops[r], sent[r], received[r]) for r in all_ranks]
-    notes = ["Homes and bytes are those of a step in which every Muon matrix has a gradient; a step where some "
-             "have none plans (and compiles) its own."] if any(t.matrices for t in tensors) else []
-    return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves,
-                   max(1, len(layouts)), notes)
+    notes = []
+    if by_key:
+        notes.append("Homes and bytes are those of a step in which every Muon matrix has a gradient; a step where "
+                     "some have none plans (and compiles) its own.")
+    if any(g["use_muon"] and g.get("param_names") and not g["params"] for g in opt.param_groups) and not by_key:
+        notes.append("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
+                     "bytes are known after the first step.")
+    return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves, max(1, domains),
+                   notes)
+
+
+def _tensor_rows(opt, bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]:
+    """One row per tensor of ``param_groups``; a group of flat partitions that names more tensors
+    than it holds (DeepSpeed ZeRO) gets one row per named original, with the matrices keyed by it."""
+    shapes = {n: tuple(global_shape(p)) for p, n in (getattr(opt.adapter, "names", None) or {}).items()}
+    by_name: Dict[str, List[MatrixRow]] = defaultdict(list)
+    for key, m in by_key.items():
+        by_name[_base(key)].append(m)
+    rows = []
+    for gi, g in enumerate(opt.param_groups):
+        names = g.get("param_names") or []
+        originals = bool(names) and len(names) != len(g["params"])
+        count = len(names) if originals else len(g["params"])
+        reasons = g.get("param_reasons")
+        reasons = reasons if reasons and len(reasons) == count else None
+        algo = "Muon" if g["use_muon"] else "AdamW"
+        for k in range(count):
+            why = reasons[k] if reasons else USER_GROUP
+            if originals:
+                mats = tuple(by_name.get(names[k], ())) if g["use_muon"] else ()
+                rows.append(TensorRow(names[k], gi, algo, why, shapes.get(names[k], ()), mats))
+                continue
+            p, mats = g["params"][k], ()
+            if g["use_muon"]:
+                b = bindings[id(p)]
+                mats = tuple(by_key[s.key] for s in b.matrices if s.key in by_key)
+                algo = "Muon+AdamW" if _mixed(p, b) else "Muon"
+            rows.append(TensorRow(opt._name(gi, k), gi, algo, why, tuple(global_shape(p)), mats))
+    return rows
 
 
 def _world() -> int:
@@ -268,8 +324,17 @@ def _this_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def log_first_step(opt) -> None:
+def log_first_step(opt) -> bool:
     """The one-time INFO line (logger ``"ds_muon"``) after the first step, on global rank 0 only; computed
-    only when that logger shows INFO (the step has bound and planned everything: no collective here)."""
-    if _this_rank() == 0 and logger.isEnabledFor(logging.INFO):
-        logger.info(summarize(opt).log_line())
+    only when that logger shows INFO (the step has bound and planned everything: no collective here).
+    Under DeepSpeed, which calls ``step()`` once per param group or ZeRO-3 sub-group, it waits for the
+    first set of tensors to come back (every set has been bound).  Returns whether it is done."""
+    if _this_rank() != 0 or not logger.isEnabledFor(logging.INFO):
+        return True
+    if opt.adapter.applies_in_step:
+        seen = opt.__dict__.setdefault("_summary_sets", set())
+        if opt._binding_sig not in seen:
+            seen.add(opt._binding_sig)
+            return False
+    logger.info(summarize(opt).log_line())
+    return True

@@ -221,11 +221,11 @@ def _base(key: str) -> str:
     return key.split("[", 1)[0]
 
 
-def _groups_of(opt, bindings) -> Dict[int, dict]:
+def _groups_of(groups: List[dict], bindings) -> Dict[int, dict]:
     """Each bound tensor's Muon param group; a DeepSpeed partition no longer in ``param_groups``
     (ZeRO-3 empties them between calls) by the group that names its matrices."""
-    current = opt._muon_groups()
-    by_name = {n: g for g in opt.param_groups if g["use_muon"] for n in g.get("param_names") or []}
+    current = {id(p): g for g in groups if g["use_muon"] for p in g["params"]}
+    by_name = {n: g for g in groups if g["use_muon"] for n in g.get("param_names") or []}
     out = {}
     for pid, b in bindings.items():
         g = current.get(pid)
@@ -238,8 +238,10 @@ def _groups_of(opt, bindings) -> Dict[int, dict]:
     return out
 
 
-def summarize(opt) -> Summary:
-    """:meth:`ds_muon.Muon.summary` (see the module docstring)."""
+def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
+    """:meth:`ds_muon.Muon.summary` (see the module docstring).  ``groups``: the param groups to
+    describe (default ``opt.param_groups``; DeepSpeed narrows those to one group per ``step()`` call)."""
+    groups = opt.param_groups if groups is None else groups
     by_key: Dict[str, MatrixRow] = {}
     flops, homed = defaultdict(float), defaultdict(int)
     sent, received = defaultdict(int), defaultdict(int)
@@ -247,7 +249,7 @@ def summarize(opt) -> Summary:
     domains = 0
     for bound, layouts in _bound_sets(opt):
         bindings.update(bound)
-        group_of = _groups_of(opt, bound)
+        group_of = _groups_of(groups, bound)
         for layout in (lay for lay in layouts if lay.matrices):
             d, domains = domains, domains + 1
             ranks = _global_ranks(layout)
@@ -272,21 +274,21 @@ def summarize(opt) -> Summary:
                         info.key, (info.rows, info.cols), update_scale(g, (info.rows, info.cols), slot.transposed),
                         at, cost, tuple(info.held_numel(r) for r in range(layout.world_size)), d, ns.steps,
                         ns.method, ex.gather_dtype.itemsize)
-    tensors = _tensor_rows(opt, bindings, by_key)
+    tensors = _tensor_rows(opt, groups, bindings, by_key)
     all_ranks = sorted(set(sent) | set(flops)) or [_this_rank()]
     rank_rows = [RankRow(r, homed[r], flops[r], sent[r], received[r]) for r in all_ranks]
     notes = []
     if by_key:
         notes.append("Homes and bytes are those of a step in which every Muon matrix has a gradient; a step where "
                      "some have none plans (and compiles) its own.")
-    if any(g["use_muon"] and g.get("param_names") and not g["params"] for g in opt.param_groups) and not by_key:
+    if any(g["use_muon"] and g.get("param_names") and not g["params"] for g in groups) and not by_key:
         notes.append("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
                      "bytes are known after the first step.")
     return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves, max(1, domains),
                    notes)
 
 
-def _tensor_rows(opt, bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]:
+def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]:
     """One row per tensor of ``param_groups``; a group of flat partitions that names more tensors
     than it holds (DeepSpeed ZeRO) gets one row per named original, with the matrices keyed by it."""
     shapes = {n: tuple(global_shape(p)) for p, n in (getattr(opt.adapter, "names", None) or {}).items()}
@@ -294,7 +296,7 @@ def _tensor_rows(opt, bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]
     for key, m in by_key.items():
         by_name[_base(key)].append(m)
     rows = []
-    for gi, g in enumerate(opt.param_groups):
+    for gi, g in enumerate(groups):
         names = g.get("param_names") or []
         originals = bool(names) and len(names) != len(g["params"])
         count = len(names) if originals else len(g["params"])
@@ -312,7 +314,8 @@ def _tensor_rows(opt, bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]
                 b = bindings[id(p)]
                 mats = tuple(by_key[s.key] for s in b.matrices if s.key in by_key)
                 algo = "Muon+AdamW" if _mixed(p, b) else "Muon"
-            rows.append(TensorRow(opt._name(gi, k), gi, algo, why, tuple(global_shape(p)), mats))
+            name = names[k] if names else f"param_groups[{gi}]['params'][{k}]"
+            rows.append(TensorRow(name, gi, algo, why, tuple(global_shape(p)), mats))
     return rows
 
 
@@ -331,10 +334,14 @@ def log_first_step(opt) -> bool:
     first set of tensors to come back (every set has been bound).  Returns whether it is done."""
     if _this_rank() != 0 or not logger.isEnabledFor(logging.INFO):
         return True
+    groups = None
     if opt.adapter.applies_in_step:
-        seen = opt.__dict__.setdefault("_summary_sets", set())
+        seen, groups = opt.__dict__.setdefault("_summary_seen", (set(), {}))
+        for g in opt.param_groups:  # DeepSpeed narrows param_groups to the group it steps; same dicts
+            groups.setdefault(id(g), g)
         if opt._binding_sig not in seen:
             seen.add(opt._binding_sig)
             return False
-    logger.info(summarize(opt).log_line())
+        groups = list(groups.values())
+    logger.info(summarize(opt, groups).log_line())
     return True

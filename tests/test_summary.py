@@ -260,3 +260,68 @@ def test_fsdp1_reasons_and_matrices_match_the_plain_model():
         flat_rows, flat_matrices = r[False]
         assert {(algo, why) for _, algo, why in flat_rows} == {("Muon+AdamW", "FSDP1 flat parameter")}
         assert orig_matrices == flat_matrices == matrices
+
+
+# -- W=2 DeepSpeed ZeRO-2 and ZeRO-3: flat partitions described by the tensors they hold -------------
+def _deepspeed_worker(rank, world):
+    import test_deepspeed as T
+
+    out = {}
+    for stage in (2, 3):
+        seen = _keep_log()
+        engine, _, _, _ = T.ds_muon_deepspeed.initialize(model=T.make_model(), config=T.ds_config(stage))
+        muon = engine.basic_optimizer
+        before = muon.summary()
+        T.train(engine, 1)
+        logged_after_one = list(seen)
+        T.train(engine, 2, start=1)
+        after = muon.summary()
+        homes, sent, received = {}, 0, 0
+        for ex in muon.exchanges():
+            homes.update((ex.layout.matrices[i].key, ex.homes[i]) for i in ex.active)
+            sent += ex.bytes_sent
+            received += ex.bytes_received
+        out[stage] = {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after), "homes": homes,
+                      "sent": sent, "received": received, "logged": list(seen), "logged_after_one": logged_after_one}
+    return out
+
+
+def _keep_log():
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("ds_muon")
+    log.setLevel(logging.INFO)
+    log.handlers = [Keep()]
+    return seen
+
+
+def test_deepspeed_rows_are_the_original_tensors():
+    pytest.importorskip("deepspeed")
+    import test_deepspeed as T
+
+    plain = T.ds_muon_deepspeed.build_optimizer(T.make_model(), T.PARAMS).summary()
+    reasons = [(t.name, t.algorithm, t.reason, t.shape) for t in plain.tensors]
+    matrices = sorted((m.key, m.shape, m.scale) for m in plain.matrices)
+    out = dist_harness.run(_deepspeed_worker, 2, env=T.ENV, timeout=300)
+    for stage in (2, 3):
+        for rank, r in enumerate(o[stage] for o in out):
+            after = r["after"]
+            assert [(t["name"], t["algorithm"], t["reason"], t["shape"]) for t in after["tensors"]] == reasons
+            assert sorted((m["key"], m["shape"], m["scale"]) for m in
+                          (m for t in after["tensors"] for m in t["matrices"])) == matrices
+            assert {m["key"]: m["homes"] for t in after["tensors"] for m in t["matrices"]} == r["homes"]
+            for other in out:
+                assert other[stage]["after"]["ranks"][rank]["bytes_sent"] == r["sent"]
+                assert other[stage]["after"]["ranks"][rank]["bytes_received"] == r["received"]
+            if stage == 2:  # ZeRO-1/2 partitions exist before the first step
+                assert r["before"]["tensors"] == after["tensors"] and r["before"]["ranks"] == after["ranks"]
+            else:  # ZeRO-3 hands them over inside step() only, and the summary says so
+                assert not any(t["matrices"] for t in r["before"]["tensors"])
+                assert any("after the first step" in n for n in r["before"]["notes"])
+        assert out[0][stage]["logged_after_one"] == []  # DeepSpeed: logged once every set has been bound
+        assert len(out[0][stage]["logged"]) == 1 and out[1][stage]["logged"] == []
+        assert "5 tensors Muon (5 matrices), 6 AdamW" in out[0][stage]["logged"][0]

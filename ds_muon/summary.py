@@ -24,6 +24,7 @@ it on every rank then; afterwards it may be called on any rank alone.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from collections import defaultdict
@@ -142,6 +143,21 @@ class Summary:
         return costs.compare(tasks, len(rows[0].held), cost_model or CostModel(),
                              costs.STRATEGIES if strategies is None else strategies)
 
+    # -- saved for ``ds-muon plan --summary`` ------------------------------------------
+    def save(self, path: str) -> None:
+        """Write the summary as JSON (``ds-muon plan --summary PATH`` reads it)."""
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Summary":
+        with open(path) as f:
+            d = json.load(f)
+        tensors = [TensorRow(**{**t, "shape": tuple(t["shape"]), "matrices": tuple(
+            MatrixRow(**{**m, "shape": tuple(m["shape"]), "homes": tuple(m["homes"]), "held": tuple(m["held"])})
+            for m in t["matrices"])}) for t in d.pop("tensors")]
+        return cls(tensors, [RankRow(**r) for r in d.pop("ranks")], **d)
+
     # -- the table -------------------------------------------------------------------
     def __str__(self) -> str:
         head = (f"ds_muon.Muon summary: {self.muon_tensors} tensors Muon ({len(self.matrices)} matrices), "
@@ -157,9 +173,9 @@ class Summary:
                           ("", "", "", "") if not t.matrices else (f"{len(t.matrices)} matrices:", "", "", ""))))
             if not single:
                 table.extend(("", "", "", "", *_matrix_cells(m, t.name)) for m in t.matrices)
-        ranks = [("rank", "NS matrices", "NS GFLOP", "MB sent", "MB received")]
-        ranks += [(str(r.rank), str(r.matrices), f"{r.ns_flops / 1e9:.4g}", f"{r.bytes_sent / MB:.4g}",
-                   f"{r.bytes_received / MB:.4g}") for r in self.ranks]
+        ranks = [("rank", "NS matrices", "NS GFLOP", "sent", "received")]
+        ranks += [(str(r.rank), str(r.matrices), f"{r.ns_flops / 1e9:.4g}", _bytes(r.bytes_sent),
+                   _bytes(r.bytes_received)) for r in self.ranks]
         out = [head, _format(table), "", "per rank, per step:", _format(ranks)]
         return "\n".join(out + self.notes)
 
@@ -168,6 +184,13 @@ def _matrix_cells(m: MatrixRow, name: str) -> Tuple[str, str, str, str]:
     key = m.key[len(name):] if m.key.startswith(name) and m.key != name else m.key
     homes = "all" if len(m.homes) > 1 else ",".join(map(str, m.homes))
     return (key if key != name else "", f"{m.shape[0]} x {m.shape[1]}", f"{m.scale:.4g}", homes)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{int(n)} B"
 
 
 def _format(rows: List[tuple]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -152,6 +153,20 @@ def test_hand_built_groups_say_user_group():
     assert s.plan_rows(["locality", "duplicated"])[0]["matrices"] == 1
 
 
+def test_saved_summary_feeds_ds_muon_plan(tmp_path, capsys):
+    from ds_muon import cli, costs
+    from ds_muon.summary import Summary
+
+    s = ds_muon.Muon(ds_muon.muon_param_groups(tiny_llama(), lr=LR)).summary()
+    s.save(tmp_path / "run.json")
+    assert Summary.load(tmp_path / "run.json") == s
+    assert cli.main(["plan", "--summary", str(tmp_path / "run.json"), "--world-sizes", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["world_size"], r["strategy"]) for r in rows] == [(w, k) for w in (1, 4) for k in costs.STRATEGIES]
+    assert all(r["matrices"] == 14 for r in rows)
+    assert rows[0] == s.plan_rows()[0]
+
+
 def _log_records(caplog, opt, model, steps):
     caplog.clear()
     _train(model, opt, steps)
@@ -202,11 +217,14 @@ def _fsdp2_worker(rank, world):
         received += ex.bytes_received
     _check_against_optimizer(opt, after)
     return {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after), "homes": homes,
-            "sent": sent, "received": received, "logged": seen, "text": str(after)}
+            "sent": sent, "received": received, "logged": list(seen), "text": str(after),
+            "plan": after.plan_rows(["locality"])[0], "fsdp1": _fsdp1(rank, world) if world == 2 else None}
 
 
 @pytest.mark.parametrize("world", [2, 3])  # at 2 ranks every rank moves the same bytes; 3 shards unevenly
 def test_fsdp2_homes_and_bytes_are_the_exchanges(world):
+    """FSDP2: home ranks are the exchanges', every rank's bytes are what that rank's exchanges move;
+    at W=2 the same processes also check FSDP1 (:func:`_check_fsdp1`)."""
     out = dist_harness.run(_fsdp2_worker, world, timeout=240)
     for rank, r in enumerate(out):
         assert r["after"]["tensors"] == r["before"]["tensors"] and r["after"]["ranks"] == r["before"]["ranks"]
@@ -226,13 +244,21 @@ def test_fsdp2_homes_and_bytes_are_the_exchanges(world):
     assert sum(x["matrices"] for x in ranks) == len(matrices) == 14
     assert sum(x["ns_flops"] for x in ranks) == sum(m["ns_flops"] for m in matrices)
     assert all(x["matrices"] > 0 for x in ranks)  # FSDP2 shards every matrix: the planner spreads NS
+    # the planner's table of this run (ds-muon plan --summary) models the bytes the exchanges move
+    plan = out[0]["plan"]
+    assert (plan["world_size"], plan["matrices"]) == (world, 14)
+    assert plan["max_bytes_sent"] == max(x["bytes_sent"] for x in ranks)
+    assert plan["total_bytes_moved"] == sum(x["bytes_sent"] for x in ranks)
     assert len(out[0]["logged"]) == 1 and all(r["logged"] == [] for r in out[1:])
     assert "14 tensors Muon (14 matrices), 7 AdamW" in out[0]["logged"][0]
     assert all(f"computed on rank {k}" in r["text"] for k, r in enumerate(out))
+    if world == 2:
+        _check_fsdp1([r["fsdp1"] for r in out])
 
 
 # -- W=2 FSDP1: reasons recorded from FSDP1's metadata ---------------------------------------
-def _fsdp1_worker(rank, world):
+def _fsdp1(rank, world):
+    """(in the W=2 FSDP2 test's processes, saving a spawn)"""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -249,12 +275,13 @@ def _fsdp1_worker(rank, world):
     return out
 
 
-def test_fsdp1_reasons_and_matrices_match_the_plain_model():
+def _check_fsdp1(out):
+    """FSDP1 at W=2, both modes: reasons recorded from FSDP1's metadata, the same matrices."""
     model = tiny_llama()
     plain = ds_muon.Muon(ds_muon.muon_param_groups(model)).summary()
     reasons = {t.name: (t.algorithm, t.reason) for t in plain.tensors}
     matrices = sorted((m.key, m.shape) for m in plain.matrices)
-    for r in dist_harness.run(_fsdp1_worker, 2, timeout=240):
+    for r in out:
         orig_rows, orig_matrices = r[True]
         assert {name: (algo, why) for name, algo, why in orig_rows} == reasons  # use_orig_params=True
         flat_rows, flat_matrices = r[False]

@@ -352,3 +352,16 @@ def test_deepspeed_rows_are_the_original_tensors():
         assert out[0][stage]["logged_after_one"] == []  # DeepSpeed: logged once every set has been bound
         assert len(out[0][stage]["logged"]) == 1 and out[1][stage]["logged"] == []
         assert "5 tensors Muon (5 matrices), 6 AdamW" in out[0][stage]["logged"][0]
+
+
+def test_deepspeed_moe_group_split_keeps_reasons_aligned():
+    """DsMuon puts DeepSpeed MoE experts in their own groups: each per-tensor list follows its tensors."""
+    from ds_muon.integrations.moe import split_moe_groups
+
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 6), nn.Linear(6, 4))
+    model[1].weight.allreduce, model[1].weight.group_name = False, "ep_size_2"  # how DeepSpeed marks experts
+    groups = split_moe_groups(ds_muon.muon_param_groups(model))
+    assert [(g["param_names"], g["param_reasons"], g.get("name")) for g in groups] == [
+        (["2.weight"], ["hidden matrix"], None), (["1.weight"], ["hidden matrix"], "ep_size_2"),
+        (["0.weight", "1.bias", "2.bias"], ["embedding", "1-D", "1-D"], None)]
+    assert all(len(g["param_tags"]) == len(g["params"]) for g in groups if g["use_muon"])

@@ -19,6 +19,12 @@ itself: ``str(opt.summary())`` on rank 0 shows the whole picture, with no
 collective once the optimizer is bound.  Before the first step, ``summary()``
 binds the tensors (the same, collective, binding the first step would do), so call
 it on every rank then; afterwards it may be called on any rank alone.
+
+Under DeepSpeed the optimizer steps flat partitions, one param group (ZeRO-3:
+sub-group) per ``step()`` call: rows are the original tensors the groups name,
+matrices come from every partition bound so far, and ZeRO-3, which hands them
+over only inside ``step()``, is fully described after the first step (the summary
+says so before it).
 """
 
 from __future__ import annotations
@@ -213,7 +219,8 @@ def _global_ranks(layout: Layout) -> List[int]:
 
 
 def _as_rank(ex: Exchange, rank: int) -> Exchange:
-    """The same exchange as rank ``rank`` compiles it (every rank knows the whole plan): for its bytes."""
+    """The same exchange as rank ``rank`` compiles it (every rank knows the whole plan): for its bytes.
+    (Which matrices share one batched NS call at a home, ``stack_key``, changes no byte.)"""
     if rank == ex.rank:
         return ex
     return Exchange(dataclasses.replace(ex.layout, rank=rank), ex.active, ex.homes, {i: 0 for i in ex.active},
@@ -366,5 +373,6 @@ def log_first_step(opt) -> bool:
             seen.add(opt._binding_sig)
             return False
         groups = list(groups.values())
+        del opt.__dict__["_summary_seen"]
     logger.info(summarize(opt, groups).log_line())
     return True

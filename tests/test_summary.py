@@ -187,11 +187,8 @@ def test_log_line_once_and_opt_out(caplog):
     assert copy.deepcopy(quiet).log_summary is False  # the setting travels with copies
 
 
-# -- W=2 FSDP2 -----------------------------------------------------------------------
-def _fsdp2_worker(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+def _keep_log():
+    """The ds_muon log lines of this process (at INFO), as they come."""
     seen = []
 
     class Keep(logging.Handler):
@@ -200,7 +197,16 @@ def _fsdp2_worker(rank, world):
 
     log = logging.getLogger("ds_muon")
     log.setLevel(logging.INFO)
-    log.addHandler(Keep())
+    log.handlers = [Keep()]
+    return seen
+
+
+# -- W=2 FSDP2 -----------------------------------------------------------------------
+def _fsdp2_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    seen = _keep_log()
     mesh = init_device_mesh("cpu", (world,))
     model = tiny_llama()
     for layer in model.model.layers:
@@ -311,19 +317,6 @@ def _deepspeed_worker(rank, world):
         out[stage] = {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after), "homes": homes,
                       "sent": sent, "received": received, "logged": list(seen), "logged_after_one": logged_after_one}
     return out
-
-
-def _keep_log():
-    seen = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    log = logging.getLogger("ds_muon")
-    log.setLevel(logging.INFO)
-    log.handlers = [Keep()]
-    return seen
 
 
 def test_deepspeed_rows_are_the_original_tensors():

@@ -20,6 +20,9 @@ collective once the optimizer is bound.  Before the first step, ``summary()``
 binds the tensors (the same, collective, binding the first step would do), so call
 it on every rank then; afterwards it may be called on any rank alone.
 
+A rank knows the layouts of the process groups it is in: with expert domains
+smaller than the world, its rank columns count only those (the summary says so).
+
 Under DeepSpeed the optimizer steps flat partitions, one param group (ZeRO-3:
 sub-group) per ``step()`` call: rows are the original tensors the groups name,
 matrices come from every partition bound so far, and ZeRO-3, which hands them
@@ -277,7 +280,8 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
     sent, received = defaultdict(int), defaultdict(int)
     bindings: Dict[int, object] = {}
     domains = 0
-    for bound, layouts in _bound_sets(opt):
+    sets = _bound_sets(opt)
+    for bound, layouts in sets:
         bindings.update(bound)
         group_of = _groups_of(groups, bound)
         for layout in (lay for lay in layouts if lay.matrices):
@@ -311,6 +315,10 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
     if by_key:
         notes.append("Homes and bytes are those of a step in which every Muon matrix has a gradient; a step where "
                      "some have none plans (and compiles) its own.")
+    if any(lay.world_size < _world() for _, layouts in sets for lay in layouts if lay.matrices):
+        notes.append(f"Some matrices live in process groups smaller than the world (expert domains): rank "
+                     f"columns count the domains rank {_this_rank()} belongs to; other domains' work is in their "
+                     "ranks' own summary().")
     if any(g["use_muon"] and g.get("param_names") and not g["params"] for g in groups) and not by_key:
         notes.append("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
                      "bytes are known after the first step.")

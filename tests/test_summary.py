@@ -16,6 +16,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import ds_muon
@@ -224,7 +225,8 @@ def _fsdp2_worker(rank, world):
     _check_against_optimizer(opt, after)
     return {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after), "homes": homes,
             "sent": sent, "received": received, "logged": list(seen), "text": str(after),
-            "plan": after.plan_rows(["locality"])[0], "fsdp1": _fsdp1(rank, world) if world == 2 else None}
+            "plan": after.plan_rows(["locality"])[0], "fsdp1": _fsdp1(rank, world) if world == 2 else None,
+            "domains": _domains(rank, world) if world == 2 else None}
 
 
 @pytest.mark.parametrize("world", [2, 3])  # at 2 ranks every rank moves the same bytes; 3 shards unevenly
@@ -260,6 +262,7 @@ def test_fsdp2_homes_and_bytes_are_the_exchanges(world):
     assert all(f"computed on rank {k}" in r["text"] for k, r in enumerate(out))
     if world == 2:
         _check_fsdp1([r["fsdp1"] for r in out])
+        _check_domains([r["domains"] for r in out])
 
 
 # -- W=2 FSDP1: reasons recorded from FSDP1's metadata ---------------------------------------
@@ -293,6 +296,33 @@ def _check_fsdp1(out):
         flat_rows, flat_matrices = r[False]
         assert {(algo, why) for _, algo, why in flat_rows} == {("Muon+AdamW", "FSDP1 flat parameter")}
         assert orig_matrices == flat_matrices == matrices
+
+
+# -- W=2 expert domains: each rank's experts in a group of its own ------------------------------
+def _domains(rank, world):
+    """(in the W=2 FSDP2 test's processes)  A replicated dense matrix, and experts that differ per rank
+    in a domain of one rank each: homes are global ranks, and a rank counts only the domains it is in."""
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    torch.manual_seed(0)
+    dense = nn.Parameter(torch.randn(8, 6))
+    torch.manual_seed(1 + rank)
+    experts = ds_muon.expert_weight(nn.Parameter(torch.randn(2, 4, 6)), domain_group=own)
+    opt = ds_muon.Muon([{"params": [dense, experts], "param_names": ["dense", "experts"]}], ns_dtype=torch.float32)
+    dense.grad, experts.grad = torch.ones_like(dense), torch.ones_like(experts)
+    opt.step()
+    homes = {ex.layout.matrices[i].key: tuple(dist.get_process_group_ranks(ex.layout.group or dist.group.WORLD)[h]
+                                              for h in ex.homes[i]) for ex in opt.exchanges() for i in ex.active}
+    return dataclasses.asdict(opt.summary()), homes, sum(ex.bytes_sent for ex in opt.exchanges())
+
+
+def _check_domains(out):
+    for rank, (s, homes, sent) in enumerate(out):
+        matrices = {m["key"]: m for t in s["tensors"] for m in t["matrices"]}
+        assert {k: m["homes"] for k, m in matrices.items()} == homes
+        assert matrices["experts[0]"]["homes"] == matrices["experts[1]"]["homes"] == (rank,)
+        mine = s["ranks"][rank]
+        assert mine["matrices"] == 2 + (homes["dense"] == (rank,)) and mine["bytes_sent"] == sent
+        assert any("expert domains" in n for n in s["notes"])
 
 
 # -- W=2 DeepSpeed ZeRO-2 and ZeRO-3: flat partitions described by the tensors they hold -------------

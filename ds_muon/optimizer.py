@@ -666,8 +666,8 @@ class Muon(Optimizer):
     def summary(self) -> Summary:
         """Per tensor: Muon or AdamW and why, its logical matrices (after splits, experts and
         tensor-parallel tags) with their scale factors and home ranks; per rank: NS FLOPs and
-        bytes moved per step.  ``str()`` is a table.  Every rank computes every rank's columns.
-        Before the first step this binds the tensors, a collective: call it on every rank then
+        bytes moved per step.  ``str()`` is a table.  Every rank computes every rank's columns
+        (of the process groups it is in), so rank 0 prints the whole picture.  Before the first step this binds the tensors, a collective: call it on every rank then
         (see :mod:`ds_muon.summary`)."""
         return summarize(self)
 

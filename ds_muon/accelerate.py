@@ -150,27 +150,29 @@ def _check_distributed(accelerator) -> None:
             "ds_muon.accelerate.Accelerator(...), which handles CPU launches")
 
 
-def _fsdp2_state(accelerator) -> None:
-    """FSDP launches: only FSDP2; on CPU, switch accelerate's MULTI_CPU fallback to its FSDP2 path."""
+def _fsdp2_state(accelerator, plugin=None) -> None:
+    """FSDP launches: only FSDP2; on CPU, switch accelerate's MULTI_CPU fallback to its FSDP2 path.
+
+    ``plugin``: the FSDP plugin to use there (default: from the launch config's ``FSDP_*``
+    environment, as accelerate reads it)."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     if accelerator.distributed_type == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
     else:
         if accelerator.distributed_type != DistributedType.MULTI_CPU:
-            raise RuntimeError(f"ds_muon.accelerate.prepare: the launch asks for FSDP but accelerate chose "
+            raise RuntimeError(f"ds_muon: the launch asks for FSDP but accelerate chose "
                                f"{accelerator.distributed_type}; build the accelerator with "
                                "ds_muon.accelerate.Accelerator(...)")
-        plugin = FullyShardedDataParallelPlugin()  # reads the launch config's FSDP_* environment, as accelerate does
+        plugin = plugin if plugin is not None else FullyShardedDataParallelPlugin()
         if plugin.fsdp_version == 2 and accelerator.mixed_precision != "no":
-            raise NotImplementedError(f"ds_muon.accelerate.prepare: mixed_precision={accelerator.mixed_precision!r} "
+            raise NotImplementedError(f"ds_muon: mixed_precision={accelerator.mixed_precision!r} "
                                       "with FSDP2 on CPU; use mixed_precision: 'no' on CPU")
-        if plugin.fsdp_version == 2 and _env_flag("FSDP_OFFLOAD_PARAMS"):
-            raise NotImplementedError("ds_muon.accelerate.prepare: fsdp_offload_params has nothing to offload to on "
-                                      "CPU; set it to false")
+        if plugin.fsdp_version == 2 and (_env_flag("FSDP_OFFLOAD_PARAMS") or _offloads(plugin)):
+            raise NotImplementedError("ds_muon: fsdp_offload_params has nothing to offload to on CPU; set it to false")
     if plugin.fsdp_version != 2:
         raise NotImplementedError(
-            f"ds_muon.accelerate.prepare: the launch config asks for FSDP{plugin.fsdp_version}; accelerate builds "
+            f"ds_muon: the launch config asks for FSDP{plugin.fsdp_version}; accelerate builds "
             "FSDP1 optimizers after wrapping, use fsdp_version: 2 (configs/accelerate/fsdp2.yaml), or wrap with "
             "FSDP1 yourself and build ds_muon.Muon on the wrapped model (docs/FSDP.md)")
     if accelerator.distributed_type != DistributedType.FSDP:
@@ -182,31 +184,56 @@ def _fsdp2_state(accelerator) -> None:
         accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
 
 
+def _offloads(plugin) -> bool:
+    offload = plugin.cpu_offload  # FSDP2: an OffloadPolicy (CPUOffloadPolicy when offloading); FSDP1: CPUOffload
+    return type(offload).__name__ == "CPUOffloadPolicy" or bool(getattr(offload, "offload_params", False))
+
+
+def take_dsmuon_entry(config: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
+    """Remove a ``"type": "DsMuon"`` entry from ``config`` (in place: accelerate and the Trainer keep
+    that dict) and return its ``params`` updated with ``settings``; set what DeepSpeed needs for a
+    client optimizer.  Another optimizer entry raises; a config ds_muon cannot train raises."""
+    from . import deepspeed as ds_muon_deepspeed
+
+    entry = config.get("optimizer")
+    if entry is not None and not ds_muon_deepspeed.is_dsmuon_entry(config):
+        raise ValueError(f"ds_muon: the DeepSpeed config names the optimizer {entry.get('type')!r}; "
+                         'use "type": "DsMuon" (configs/deepspeed/zero2.json) or remove the entry')
+    params = dict(settings)
+    if entry is not None:
+        extra = sorted(set(entry) - {"type", "params"})
+        if extra:
+            raise ValueError(f'ds_muon: unknown key(s) {extra} in the "optimizer" entry; it takes "type" and "params"')
+        params = {**(entry.get("params") or {}), **settings}
+        ds_muon_deepspeed.parse_params(params)  # unknown keys: the entry's error, naming the accepted ones
+        del config["optimizer"]
+    ds_muon_deepspeed.check_supported_config(config)
+    config["zero_allow_untested_optimizer"] = True
+    return params
+
+
+def build_deepspeed_muon(model: torch.nn.Module, params: Dict[str, Any]) -> Muon:
+    """The Muon a DsMuon entry with these ``params`` builds (MoE experts in their own groups)."""
+    from . import deepspeed as ds_muon_deepspeed
+
+    ds_muon_deepspeed.check_no_deepspeed_muon_tags(list(model.parameters()),
+                                                   {p: n for n, p in model.named_parameters()})
+    return ds_muon_deepspeed.build_optimizer(model, params)
+
+
 def _prepare_deepspeed(accelerator, model, objects, optimizer, settings):
     from . import deepspeed as ds_muon_deepspeed
 
     cfg = accelerator.state.deepspeed_plugin.deepspeed_config  # the dict accelerate hands to DeepSpeed
-    entry = cfg.get("optimizer")
-    if entry is not None and not ds_muon_deepspeed.is_dsmuon_entry(cfg):
-        raise ValueError(f"ds_muon.accelerate.prepare: the DeepSpeed config names the optimizer {entry.get('type')!r}; "
-                         'use "type": "DsMuon" (configs/deepspeed/zero2.json) or remove the entry')
-    if entry is not None and optimizer is not None:
-        raise ValueError('ds_muon.accelerate.prepare: the DeepSpeed config has a "DsMuon" entry and optimizer= was '
-                         "passed too; pass one of them")
-    if entry is not None:  # keyword settings override the entry's params
-        new_cfg, muon = ds_muon_deepspeed.optimizer_from_config(
-            model, {**cfg, "optimizer": {**entry, "params": {**(entry.get("params") or {}), **settings}}})
-    else:
-        new_cfg, muon = ds_muon_deepspeed.optimizer_from_config(model, cfg)  # checks, sets zero_allow_untested
-        ds_muon_deepspeed.check_supported_config(new_cfg)
-        muon = optimizer if optimizer is not None else build_muon(model, settings)
-        new_cfg["zero_allow_untested_optimizer"] = True
+    if cfg.get("optimizer") is not None and optimizer is not None:
+        raise ValueError('ds_muon.accelerate.prepare: the DeepSpeed config has an "optimizer" entry and optimizer= '
+                         "was passed too; pass one of them")
+    params = take_dsmuon_entry(cfg, settings)
+    muon = optimizer if optimizer is not None else build_deepspeed_muon(model, params)
     loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader) and o.batch_size is not None]
-    if loaders:  # the data loader decides the micro-batch (accelerate fills the rest from it)
-        new_cfg["train_micro_batch_size_per_gpu"] = "auto"
-        new_cfg.pop("train_batch_size", None)
-    cfg.clear()
-    cfg.update(new_cfg)  # in place: accelerate keeps this dict
+    if loaders:  # the data loader decides the micro-batch (accelerate fills "auto" from it)
+        cfg["train_micro_batch_size_per_gpu"] = "auto"
+        cfg.pop("train_batch_size", None)
     engine, opt, *rest = accelerator.prepare(model, muon, *objects)
     ds_muon_deepspeed.bind(engine, muon)
     _check_wrapped(opt, muon)

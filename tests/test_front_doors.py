@@ -79,6 +79,14 @@ def _full_fp32(model) -> dict:
     return out
 
 
+def _layers_sharded(model) -> bool:
+    """Each decoder layer is its own FSDP2 unit (the wrap policy matched), not only the root."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    return len(layers) > 0 and all(isinstance(layer, FSDPModule) for layer in layers)
+
+
 def _rows(n_rows: int, seed: int):
     return torch.cat(hf_batches(n_rows, batch=1, seed=seed))
 
@@ -125,7 +133,8 @@ def _accelerate_run(env, seed, ckpt, resume: bool):
                kind=type(muon.adapter).__name__, binding=getattr(muon.adapter, "kind", None),
                distributed_type=str(accelerator.distributed_type).split(".")[-1],
                homes=sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs}),
-               dtensors=all(type(p).__name__ == "DTensor" for g in muon.param_groups for p in g["params"]))
+               dtensors=all(type(p).__name__ == "DTensor" for g in muon.param_groups for p in g["params"]),
+               layers_sharded=_layers_sharded(model))
     accelerator.wait_for_everyone()
     assert isinstance(muon, ds_muon.Muon)
     return out
@@ -158,6 +167,114 @@ def test_accelerate_front_door(tmp_path):
         for r in results:  # both ranks see the same whole weights
             assert all(torch.equal(r[door][0]["weights"][n], t) for n, t in straight["weights"].items()), door
     assert results[0]["fsdp2"][0]["dtensors"] and results[0]["fsdp2"][0]["distributed_type"] == "FSDP"
+    assert results[0]["fsdp2"][0]["layers_sharded"]
     assert results[0]["deepspeed_zero2"][0]["binding"] == "zero12"
     assert results[0]["deepspeed_zero3"][0]["binding"] == "zero3"
     assert results[0]["ddp"][0]["distributed_type"] == "MULTI_CPU"
+
+
+# -- ds_muon.trainer.MuonTrainer ---------------------------------------------------------------------
+TRAINER_DOORS = tuple(os.environ.get("H17_TRAINER_DOORS", "ddp,fsdp2,zero2,zero3").split(","))
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _trainer_args(door, out_dir, **kw):
+    from transformers import TrainingArguments
+
+    stack = {}
+    if door == "fsdp2":
+        stack = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+    elif door.startswith("zero"):
+        stack = dict(deepspeed=os.path.join(REPO, "configs", "deepspeed", f"{door}.json"))
+    return TrainingArguments(output_dir=out_dir, max_steps=2 * K, per_device_train_batch_size=8, logging_steps=1,
+                             save_steps=K, save_strategy="steps", report_to="none", use_cpu=True, seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True, **stack, **kw)
+
+
+def _trainer_run(door, out_dir, seed, resume=None):
+    from ds_muon.trainer import MuonTrainer
+
+    _fresh_accelerate({})
+    trainer = MuonTrainer(model=FAMILIES["llama"](seed=seed), args=_trainer_args(door, out_dir),
+                          train_dataset=_Tokens(_rows(2 * K * 8 * 2, seed=5)), muon_settings=SETTINGS)
+    trainer.train(resume_from_checkpoint=resume)
+    muon = trainer.muon
+    return dict(losses=[r["loss"] for r in trainer.state.log_history if "loss" in r],
+                weights=_full_fp32(trainer.model_wrapped), muon=muon_names(muon),
+                binding=getattr(muon.adapter, "kind", None), wrapped=type(trainer.model_wrapped).__name__,
+                homes=sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs}))
+
+
+def _evaluate_first_refused(tmp) -> str:
+    """evaluate() before train() at W=2: refused with the advice, on every rank."""
+    from ds_muon.trainer import MuonTrainer
+
+    _fresh_accelerate({})
+    rows = _rows(8, seed=5)
+    trainer = MuonTrainer(model=FAMILIES["llama"](), args=_trainer_args("ddp", tmp), train_dataset=_Tokens(rows),
+                          eval_dataset=_Tokens(rows), muon_settings=SETTINGS)
+    try:
+        trainer.evaluate()
+    except RuntimeError as e:
+        return str(e)
+    return "evaluate() ran"
+
+
+def _trainer_worker(rank, world, doors, tmp):
+    out = {"evaluate_first": _evaluate_first_refused(os.path.join(tmp, "eval_first"))}
+    for door in doors:
+        run_dir = os.path.join(tmp, f"trainer_{door}")
+        straight = _trainer_run(door, run_dir, 0)
+        resumed = _trainer_run(door, os.path.join(tmp, f"trainer_{door}_resumed"), 1,
+                               resume=os.path.join(run_dir, f"checkpoint-{K}"))
+        out[door] = straight, resumed
+    return out
+
+
+def test_trainer_front_door(tmp_path):
+    if any(d.startswith("zero") for d in TRAINER_DOORS):
+        pytest.importorskip("deepspeed")
+    results = dist_harness.run(_trainer_worker, 2, TRAINER_DOORS, str(tmp_path), timeout=400, env=ENV)
+    want_muon = expected_muon("llama", FAMILIES["llama"]())
+    for door in TRAINER_DOORS:
+        straight, resumed = results[0][door]
+        losses = straight["losses"]
+        assert len(losses) == 2 * K and sum(losses[-2:]) / 2 < losses[0] - 0.05, (door, losses)
+        assert straight["muon"] == want_muon, door
+        assert straight["homes"] == [0, 1], (door, straight["homes"])
+        assert resumed["losses"] == losses, (door, resumed["losses"], losses)  # the history K, then its own K
+        for n, t in straight["weights"].items():
+            assert torch.equal(resumed["weights"][n], t), (door, n)
+    wrapped = {d: (results[0][d][0]["wrapped"], results[0][d][0]["binding"]) for d in TRAINER_DOORS}
+    want = {"ddp": ("DistributedDataParallel", None), "fsdp2": ("FSDPLlamaForCausalLM", None),
+            "zero2": ("DeepSpeedEngine", "zero12"), "zero3": ("DeepSpeedEngine", "zero3")}
+    assert wrapped == {d: want[d] for d in TRAINER_DOORS}
+    for r in results:
+        assert "eval_on_start=True" in r["evaluate_first"], r["evaluate_first"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_fsdp2_yaml_wraps_any_hf_model(family, monkeypatch):
+    """configs/accelerate/fsdp2.yaml names no layer class: accelerate's FSDP2 wrap policy takes the
+    model's own ``_no_split_modules`` (LlamaDecoderLayer, GPT2Block) and matches every decoder layer."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    for k, v in launch_env("fsdp2").items():
+        monkeypatch.setenv(k, v)
+    model = FAMILIES[family]()
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.transformer_cls_names_to_wrap is None
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    layers = model.transformer.h if family == "gpt2" else model.model.layers
+    assert [m for m in model.modules() if policy(m)] == list(layers)

@@ -252,33 +252,7 @@ def test_accelerate_train_rejects_bad_input():
     for argv in (["--steps", "0"], ["--width", "30", "--heads", "4"], ["--lr", "-1"]):
         with pytest.raises(SystemExit):
             ex.parse_args(argv)
-
-    GPT = _load_example("gpt").GPT
-
-    def fake_accelerator(cfg):
-        return types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(
-            deepspeed_config=cfg)))
-
-    args = ex.parse_args(["--micro-batch", "4", "--lr", "0.05"])
-    model = GPT(d=32, layers=1, heads=2, seq=16)
-    # a config naming another optimizer: a clear error, not accelerate's
-    with pytest.raises(SystemExit, match="DsMuon"):
-        ex.deepspeed_muon(fake_accelerator({"optimizer": {"type": "AdamW", "params": {}},
-                                            "zero_optimization": {"stage": 2}}), model, args)
-    # the DsMuon entry becomes the Muon and leaves the dict accelerate keeps (in place)
-    cfg = {"optimizer": {"type": "DsMuon", "params": {"lr": 0.01, "adam_lr": 1e-3, "ns_steps": 4}},
-           "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8, "train_batch_size": 16}
-    acc = fake_accelerator(cfg)
-    muon = ex.deepspeed_muon(acc, model, args)
-    assert acc.state.deepspeed_plugin.deepspeed_config is cfg
-    assert "optimizer" not in cfg and "train_batch_size" not in cfg
-    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["zero_allow_untested_optimizer"] is True
-    muon_group, adam_group = muon.param_groups
-    assert muon_group["use_muon"] and muon_group["lr"] == 0.05 and muon_group["ns_steps"] == 4  # --lr wins
-    assert not adam_group["use_muon"] and adam_group["lr"] == 1e-3
-    with pytest.raises(ValueError, match="unknown key"):
-        ex.deepspeed_muon(fake_accelerator({"optimizer": {"type": "DsMuon", "params": {"betas": [0.9, 0.9]}},
-                                            "zero_optimization": {"stage": 2}}), model, args)
+    # (the DsMuon-entry handling the script used to do itself: tests/test_front_doors.py)
 
 
 def test_hf_trainer_conv1d_groups():
@@ -298,7 +272,8 @@ def test_hf_trainer_conv1d_groups():
     muon_names = [n for g in groups if g["use_muon"] for n in g["param_names"]]
     assert sorted(muon_names) == conv
     assert all(is_transposed(p) for g in groups if g["use_muon"] for p in g["params"])
-    scales = ex.muon_scale_factors(groups)
+    shapes = {n: (p.shape[0], p[0].numel()) for n, p in model.named_parameters() if p.ndim >= 2}
+    scales = ex.muon_scale_factors(model, groups, shapes)
     assert scales["transformer.h.0.mlp.c_fc.weight"] == pytest.approx(2.0)
     assert scales["transformer.h.0.mlp.c_proj.weight"] == pytest.approx(1.0)
     assert scales["transformer.h.0.attn.c_attn.weight"] == pytest.approx(math.sqrt(3))

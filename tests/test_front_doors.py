@@ -278,3 +278,32 @@ def test_fsdp2_yaml_wraps_any_hf_model(family, monkeypatch):
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     layers = model.transformer.h if family == "gpt2" else model.model.layers
     assert [m for m in model.modules() if policy(m)] == list(layers)
+
+
+def test_dsmuon_entry_leaves_the_config():
+    """What ``prepare`` / ``MuonTrainer`` do to the config dict accelerate and the Trainer keep."""
+    from ds_muon.accelerate import build_deepspeed_muon, take_dsmuon_entry
+
+    with pytest.raises(ValueError, match="DsMuon"):  # another optimizer: a clear error, not accelerate's
+        take_dsmuon_entry({"optimizer": {"type": "AdamW", "params": {}}, "zero_optimization": {"stage": 2}}, {})
+    cfg = {"optimizer": {"type": "DsMuon", "params": {"lr": 0.01, "adam_lr": 1e-3, "ns_steps": 4}},
+           "zero_optimization": {"stage": 2}}
+    params = take_dsmuon_entry(cfg, {"lr": 0.05})  # keyword settings win over the entry
+    assert cfg == {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    assert params == {"lr": 0.05, "adam_lr": 1e-3, "ns_steps": 4}
+    muon_group, adam_group = build_deepspeed_muon(FAMILIES["llama"](), params).param_groups
+    assert muon_group["use_muon"] and muon_group["lr"] == 0.05 and muon_group["ns_steps"] == 4
+    assert not adam_group["use_muon"] and adam_group["lr"] == 1e-3
+    with pytest.raises(ValueError, match="unknown key"):
+        take_dsmuon_entry({"optimizer": {"type": "DsMuon", "params": {"betas": [0.9, 0.9]}}}, {})
+    with pytest.raises(NotImplementedError, match="offload_optimizer"):
+        take_dsmuon_entry({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {})
+
+
+def test_prepare_rejects_unknown_settings():
+    from ds_muon.accelerate import split_settings
+
+    with pytest.raises(TypeError, match="unknown setting.*'betas'.*accepted"):
+        split_settings({"lr": 0.02, "betas": (0.9, 0.95)})
+    assert split_settings({"lr": 0.02, "adam_lr": 1e-3, "ns_dtype": torch.float32}) == (
+        {"lr": 0.02, "adam_lr": 1e-3}, {"ns_dtype": torch.float32})

@@ -12,6 +12,13 @@ object of :class:`~ds_muon.planner.CostModel` fields) plus ``adam_lr`` and
 Everything else in the config goes to DeepSpeed unchanged, with
 ``zero_allow_untested_optimizer`` set.
 
+Binding: ``ds_muon.deepspeed.bind(engine)`` is the one spelling (after a
+``deepspeed.initialize`` you called yourself; :func:`initialize`,
+``ds_muon.accelerate.prepare`` and ``ds_muon.trainer.MuonTrainer`` call it).
+``ds_muon.integrations.deepspeed.bind`` is the same function under its
+implementation module's name, the spelling older docs used: it keeps working but
+is deprecated as a public name.
+
 Gradient clipping: DeepSpeed's ``gradient_clipping`` (DeepSpeed 0.19.8 defaults it
 to 1.0) clips the raw averaged gradient before ``Muon.step``; the orthogonalized
 update is never clipped (its scale is set by ``lr`` and ``scale_mode``).
@@ -125,7 +132,7 @@ def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any
 
     For callers that hand the optimizer to ``deepspeed.initialize`` themselves (accelerate):
     the returned config has the entry removed and ``zero_allow_untested_optimizer`` set; pass
-    the Muon as ``optimizer=`` and call ``ds_muon.integrations.deepspeed.bind(engine)`` after.
+    the Muon as ``optimizer=`` and call ``ds_muon.deepspeed.bind(engine)`` after.
     """
     cfg = load_config(config)
     if not is_dsmuon_entry(cfg):

@@ -35,7 +35,6 @@ import torch
 from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ds_muon  # noqa: E402
 from ds_muon.scaling import get_muon_scale_factor  # noqa: E402
 from gpt import split, stdlib_bytes  # noqa: E402
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import dist_harness  # noqa: E402
-from hf_models import FAMILIES, VOCAB, hf_batches  # noqa: E402
+from hf_models import FAMILIES, hf_batches  # noqa: E402
 from test_real_models import expected_muon  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

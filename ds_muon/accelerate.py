@@ -205,20 +205,37 @@ def take_dsmuon_entry(config: Dict[str, Any], settings: Dict[str, Any]) -> Dict[
         if extra:
             raise ValueError(f'ds_muon: unknown key(s) {extra} in the "optimizer" entry; it takes "type" and "params"')
         params = {**(entry.get("params") or {}), **settings}
-        ds_muon_deepspeed.parse_params(params)  # unknown keys: the entry's error, naming the accepted ones
         del config["optimizer"]
+    _deepspeed_kwargs(params)  # unknown keys: the entry's error, naming the accepted ones
     ds_muon_deepspeed.check_supported_config(config)
     config["zero_allow_untested_optimizer"] = True
     return params
 
 
-def build_deepspeed_muon(model: torch.nn.Module, params: Dict[str, Any]) -> Muon:
-    """The Muon a DsMuon entry with these ``params`` builds (MoE experts in their own groups)."""
+# muon_param_groups keywords that are Python-only (no DsMuon JSON key), accepted as keyword settings
+_PYTHON_GROUP_KEYS = ("head_names", "split_attention")
+
+
+def _deepspeed_kwargs(params: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(Muon keywords, muon_param_groups keywords)`` from DsMuon ``params`` plus keyword settings."""
     from . import deepspeed as ds_muon_deepspeed
+
+    params = dict(params)
+    extra = {k: params.pop(k) for k in _PYTHON_GROUP_KEYS if k in params}
+    muon_kw, group_kw = ds_muon_deepspeed.parse_params(params)
+    return muon_kw, {**group_kw, **extra}
+
+
+def build_deepspeed_muon(model: torch.nn.Module, params: Dict[str, Any]) -> Muon:
+    """The Muon a DsMuon entry with these ``params`` builds (MoE experts in their own groups, as
+    ``ds_muon.deepspeed.initialize`` builds them)."""
+    from . import deepspeed as ds_muon_deepspeed
+    from .integrations.moe import split_moe_groups
 
     ds_muon_deepspeed.check_no_deepspeed_muon_tags(list(model.parameters()),
                                                    {p: n for n, p in model.named_parameters()})
-    return ds_muon_deepspeed.build_optimizer(model, params)
+    muon_kw, group_kw = _deepspeed_kwargs(params)
+    return Muon(split_moe_groups(muon_param_groups(model, **group_kw)), **muon_kw)
 
 
 def _prepare_deepspeed(accelerator, model, objects, optimizer, settings):

@@ -2,7 +2,7 @@
 hidden matrices (and only they) take Muon, and a checkpoint written mid-run resumes bitwise.
 
 * ``ds_muon.accelerate.prepare`` under the shipped accelerate configs (DDP, FSDP2, DeepSpeed
-  ZeRO-2 and ZeRO-3): ``accelerator.save_state`` after K steps, K more steps; a fresh model
+  ZeRO-2 and ZeRO-3, and ZeRO-1 through zero1.json): ``accelerator.save_state`` after K steps, K more steps; a fresh model
   (other seed) + ``accelerator.load_state`` + the same K steps ends on the same fp32 weights.
 * ``ds_muon.trainer.MuonTrainer`` (DDP, FSDP2, DeepSpeed ZeRO-2/3): ``save_steps=K`` and
   ``resume_from_checkpoint`` against the straight run.
@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 K = 3  # steps before and after the checkpoint
 SETTINGS = dict(lr=0.02, adam_lr=3e-3)
-DOORS = tuple(os.environ.get("H17_DOORS", "ddp,fsdp2,deepspeed_zero2,deepspeed_zero3").split(","))
+DOORS = tuple(os.environ.get("H17_DOORS", "ddp,fsdp2,deepspeed_zero1,deepspeed_zero2,deepspeed_zero3").split(","))
 
 
 def launch_env(config: str) -> dict:
@@ -40,6 +40,9 @@ def launch_env(config: str) -> dict:
 
     if config == "ddp":
         return {}
+    if config == "deepspeed_zero1":  # no YAML of its own: the ZeRO-2 launch with zero1.json
+        return {**launch_env("deepspeed_zero2"),
+                "ACCELERATE_DEEPSPEED_CONFIG_FILE": os.path.join(REPO, "configs", "deepspeed", "zero1.json")}
     path = os.path.join(REPO, "configs", "accelerate", f"{config}.yaml")
     args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, "x.py"]))
     if args.use_deepspeed:
@@ -134,7 +137,8 @@ def _accelerate_run(env, seed, ckpt, resume: bool):
                distributed_type=str(accelerator.distributed_type).split(".")[-1],
                homes=sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs}),
                dtensors=all(type(p).__name__ == "DTensor" for g in muon.param_groups for p in g["params"]),
-               layers_sharded=_layers_sharded(model))
+               layers_sharded=_layers_sharded(model),
+               zero_stage=model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None)
     accelerator.wait_for_everyone()
     assert isinstance(muon, ds_muon.Muon)
     return out
@@ -168,7 +172,8 @@ def test_accelerate_front_door(tmp_path):
             assert all(torch.equal(r[door][0]["weights"][n], t) for n, t in straight["weights"].items()), door
     assert results[0]["fsdp2"][0]["dtensors"] and results[0]["fsdp2"][0]["distributed_type"] == "FSDP"
     assert results[0]["fsdp2"][0]["layers_sharded"]
-    assert results[0]["deepspeed_zero2"][0]["binding"] == "zero12"
+    assert results[0]["deepspeed_zero1"][0]["binding"] == results[0]["deepspeed_zero2"][0]["binding"] == "zero12"
+    assert [results[0][f"deepspeed_zero{s}"][0]["zero_stage"] for s in (1, 2, 3)] == [1, 2, 3]
     assert results[0]["deepspeed_zero3"][0]["binding"] == "zero3"
     assert results[0]["ddp"][0]["distributed_type"] == "MULTI_CPU"
 
@@ -296,6 +301,10 @@ def test_dsmuon_entry_leaves_the_config():
     assert not adam_group["use_muon"] and adam_group["lr"] == 1e-3
     with pytest.raises(ValueError, match="unknown key"):
         take_dsmuon_entry({"optimizer": {"type": "DsMuon", "params": {"betas": [0.9, 0.9]}}}, {})
+    # Python-only muon_param_groups keywords work as settings under DeepSpeed too
+    llama = FAMILIES["llama"]()
+    groups = build_deepspeed_muon(llama, take_dsmuon_entry({}, {"head_names": ("lm_head", "o_proj")})).param_groups
+    assert not any(n.endswith("o_proj.weight") for g in groups if g["use_muon"] for n in g["param_names"])
     with pytest.raises(NotImplementedError, match="offload_optimizer"):
         take_dsmuon_entry({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {})
 

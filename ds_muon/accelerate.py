@@ -45,7 +45,7 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 
-def _no_gpu() -> bool:
+def no_gpu() -> bool:
     return not torch.cuda.is_available()
 
 
@@ -66,7 +66,7 @@ class Accelerator(_accelerate().Accelerator):
     """
 
     def __init__(self, *args, **kwargs):
-        if _no_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if no_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             if _env_flag("ACCELERATE_USE_DEEPSPEED"):
                 from accelerate.utils import InitProcessGroupKwargs
 
@@ -131,7 +131,7 @@ def prepare(accelerator, model: torch.nn.Module, *objects, optimizer: Optional[M
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return _prepare_deepspeed(accelerator, model, objects, optimizer, settings)
     if _env_flag("ACCELERATE_USE_FSDP") or accelerator.distributed_type == DistributedType.FSDP:
-        _fsdp2_state(accelerator)
+        use_fsdp2(accelerator)
     muon = optimizer if optimizer is not None else build_muon(model, settings)
     model, opt, *rest = accelerator.prepare(model, muon, *objects)
     _check_wrapped(opt, muon)
@@ -150,7 +150,7 @@ def _check_distributed(accelerator) -> None:
             "ds_muon.accelerate.Accelerator(...), which handles CPU launches")
 
 
-def _fsdp2_state(accelerator, plugin=None) -> None:
+def use_fsdp2(accelerator, plugin=None) -> None:
     """FSDP launches: only FSDP2; on CPU, switch accelerate's MULTI_CPU fallback to its FSDP2 path.
 
     ``plugin``: the FSDP plugin to use there (default: from the launch config's ``FSDP_*``

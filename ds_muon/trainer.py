@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .accelerate import _fsdp2_state, _no_gpu, build_deepspeed_muon, build_muon, find_muon, take_dsmuon_entry
+from .accelerate import use_fsdp2, no_gpu, build_deepspeed_muon, build_muon, find_muon, take_dsmuon_entry
 from .optimizer import Muon
 
 __all__ = ["MuonTrainer"]
@@ -66,14 +66,14 @@ class MuonTrainer(Trainer):
     # -- set-up ---------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled and _no_gpu():
+        if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled and no_gpu():
             # accelerate dropped the FSDP plugin on CPU: run its FSDP2 path anyway (ds_muon.accelerate)
             from accelerate.utils import FullyShardedDataParallelPlugin
 
-            _fsdp2_state(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
+            use_fsdp2(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
             self.is_fsdp_enabled = True
         elif self.is_fsdp_enabled:
-            _fsdp2_state(self.accelerator)  # FSDP1 raises: accelerate builds its optimizer differently
+            use_fsdp2(self.accelerator)  # FSDP1 raises: accelerate builds its optimizer differently
         if self.is_deepspeed_enabled:
             hf_config = self.accelerator.state.deepspeed_plugin.hf_ds_config
             self._deepspeed_params = take_dsmuon_entry(hf_config.config, self.muon_settings)  # the dict DeepSpeed gets

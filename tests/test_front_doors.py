@@ -217,6 +217,7 @@ def _trainer_run(door, out_dir, seed, resume=None):
     return dict(losses=[r["loss"] for r in trainer.state.log_history if "loss" in r],
                 weights=_full_fp32(trainer.model_wrapped), muon=muon_names(muon),
                 binding=getattr(muon.adapter, "kind", None), wrapped=type(trainer.model_wrapped).__name__,
+                layers_sharded=_layers_sharded(trainer.model),
                 homes=sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs}))
 
 
@@ -264,6 +265,8 @@ def test_trainer_front_door(tmp_path):
     want = {"ddp": ("DistributedDataParallel", None), "fsdp2": ("FSDPLlamaForCausalLM", None),
             "zero2": ("DeepSpeedEngine", "zero12"), "zero3": ("DeepSpeedEngine", "zero3")}
     assert wrapped == {d: want[d] for d in TRAINER_DOORS}
+    if "fsdp2" in TRAINER_DOORS:
+        assert results[0]["fsdp2"][0]["layers_sharded"]  # not only the root
     for r in results:
         assert "eval_on_start=True" in r["evaluate_first"], r["evaluate_first"]
 

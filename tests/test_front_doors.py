@@ -168,8 +168,9 @@ def test_accelerate_front_door(tmp_path):
         assert resumed["losses"] == losses[K:], door
         for n, t in straight["weights"].items():
             assert torch.equal(resumed["weights"][n], t), (door, n)
-        for r in results:  # both ranks see the same whole weights
-            assert all(torch.equal(r[door][0]["weights"][n], t) for n, t in straight["weights"].items()), door
+        for r in results:  # both ranks, straight and resumed, see the same whole weights
+            for run in r[door]:
+                assert all(torch.equal(run["weights"][n], t) for n, t in straight["weights"].items()), door
     assert results[0]["fsdp2"][0]["dtensors"] and results[0]["fsdp2"][0]["distributed_type"] == "FSDP"
     assert results[0]["fsdp2"][0]["layers_sharded"]
     assert results[0]["deepspeed_zero1"][0]["binding"] == results[0]["deepspeed_zero2"][0]["binding"] == "zero12"
@@ -259,8 +260,10 @@ def test_trainer_front_door(tmp_path):
         assert straight["muon"] == want_muon, door
         assert straight["homes"] == [0, 1], (door, straight["homes"])
         assert resumed["losses"] == losses, (door, resumed["losses"], losses)  # the history K, then its own K
-        for n, t in straight["weights"].items():
-            assert torch.equal(resumed["weights"][n], t), (door, n)
+        for r in results:  # both ranks, straight and resumed
+            for run in r[door]:
+                for n, t in straight["weights"].items():
+                    assert torch.equal(run["weights"][n], t), (door, n)
     wrapped = {d: (results[0][d][0]["wrapped"], results[0][d][0]["binding"]) for d in TRAINER_DOORS}
     want = {"ddp": ("DistributedDataParallel", None), "fsdp2": ("FSDPLlamaForCausalLM", None),
             "zero2": ("DeepSpeedEngine", "zero12"), "zero3": ("DeepSpeedEngine", "zero3")}

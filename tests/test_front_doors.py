@@ -144,8 +144,31 @@ def _accelerate_run(env, seed, ckpt, resume: bool):
     return out
 
 
+def _accelerate_refusals() -> list:
+    """Bad input to prepare: each a clear error, on every rank, before anything is built."""
+    import accelerate
+
+    import ds_muon
+    from ds_muon.accelerate import prepare
+
+    _fresh_accelerate({})
+    plain = accelerate.Accelerator()  # on CPU without cpu=True: one process per rank, not distributed
+    model = FAMILIES["llama"]()
+    calls = [lambda: prepare(plain, model),
+             lambda: prepare(plain, model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+             lambda: prepare(plain, model, optimizer=ds_muon.Muon(ds_muon.muon_param_groups(model)), lr=0.1)]
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("accepted")
+        except (RuntimeError, TypeError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
 def _accelerate_worker(rank, world, doors, tmp):
-    out = {}
+    out = {"refusals": _accelerate_refusals()}
     for door in doors:
         env = launch_env(door)
         ckpt = os.path.join(tmp, f"acc_{door}")
@@ -177,6 +200,11 @@ def test_accelerate_front_door(tmp_path):
     assert [results[0][f"deepspeed_zero{s}"][0]["zero_stage"] for s in (1, 2, 3)] == [1, 2, 3]
     assert results[0]["deepspeed_zero3"][0]["binding"] == "zero3"
     assert results[0]["ddp"][0]["distributed_type"] == "MULTI_CPU"
+    for r in results:
+        not_distributed, not_muon, both = r["refusals"]
+        assert not_distributed.startswith("RuntimeError") and "ds_muon.accelerate.Accelerator" in not_distributed
+        assert not_muon.startswith("TypeError") and "SGD" in not_muon
+        assert both.startswith("TypeError") and "['lr']" in both
 
 
 # -- ds_muon.trainer.MuonTrainer ---------------------------------------------------------------------

@@ -18,6 +18,13 @@ false for you: Muon, not DeepSpeed's CPU Adam, steps the host partition).  Momen
 and AdamW moments live beside the fp32 partition in host memory; the result is
 bitwise the run without offload (docs/DEEPSPEED.md).
 
+Binding: ``ds_muon.deepspeed.bind(engine)`` is the one spelling (after a
+``deepspeed.initialize`` you called yourself; :func:`initialize`,
+``ds_muon.accelerate.prepare`` and ``ds_muon.trainer.MuonTrainer`` call it).
+``ds_muon.integrations.deepspeed.bind`` is the same function under its
+implementation module's name, the spelling older docs used: it keeps working but
+is deprecated as a public name.
+
 Gradient clipping: DeepSpeed's ``gradient_clipping`` (DeepSpeed 0.19.8 defaults it
 to 1.0) clips the raw averaged gradient before ``Muon.step``; the orthogonalized
 update is never clipped (its scale is set by ``lr`` and ``scale_mode``).
@@ -144,7 +151,7 @@ def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any
     For callers that hand the optimizer to ``deepspeed.initialize`` themselves (accelerate):
     the returned config has the entry removed, ``zero_allow_untested_optimizer`` set (and, with
     ``offload_optimizer`` on the host, ``zero_force_ds_cpu_optimizer`` false); pass
-    the Muon as ``optimizer=`` and call ``ds_muon.integrations.deepspeed.bind(engine)`` after.
+    the Muon as ``optimizer=`` and call ``ds_muon.deepspeed.bind(engine)`` after.
     """
     cfg = load_config(config)
     if not is_dsmuon_entry(cfg):

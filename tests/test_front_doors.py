@@ -339,8 +339,12 @@ def test_dsmuon_entry_leaves_the_config():
     llama = FAMILIES["llama"]()
     groups = build_deepspeed_muon(llama, take_dsmuon_entry({}, {"head_names": ("lm_head", "o_proj")})).param_groups
     assert not any(n.endswith("o_proj.weight") for g in groups if g["use_muon"] for n in g["param_names"])
-    with pytest.raises(NotImplementedError, match="offload_optimizer"):
-        take_dsmuon_entry({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {})
+    # host optimizer offload: DeepSpeed would refuse the client optimizer without the flag the entry sets
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    take_dsmuon_entry(cfg, {})
+    assert cfg["zero_force_ds_cpu_optimizer"] is False
+    with pytest.raises(NotImplementedError, match="nvme"):
+        take_dsmuon_entry({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, {})
 
 
 def test_prepare_rejects_unknown_settings():

@@ -17,8 +17,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # ``ds_muon.deepspeed`` without importing DeepSpeed for users who do not use it
-    if name == "deepspeed":
+    # ``ds_muon.deepspeed`` / ``.accelerate`` / ``.trainer`` without importing those libraries for users who do
+    # not use them
+    if name in ("deepspeed", "accelerate", "trainer"):
         import importlib
 
         return importlib.import_module(".deepspeed", __name__)

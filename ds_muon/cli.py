@@ -3,6 +3,7 @@
     ds-muon plan --preset llama-7b --world-sizes 8 64 512 4096 --plot plan.png
     ds-muon plan --hf-config config.json --layout replicated --json
     ds-muon shapes --hf-config config.json > configs/models/mine.json
+    ds-muon plan --summary run.json            # a run's own matrices and holdings (Summary.save)
 
 No GPUs, no processes: the same :func:`ds_muon.planner.plan_homes` the optimizer
 calls, fed with shapes and with what each rank would hold, next to the baselines
@@ -23,6 +24,7 @@ from .planner import CostModel
 
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 ALL_STRATEGIES = costs.STRATEGIES
+DEFAULT_WORLD_SIZES = [8, 64, 512, 4096]
 
 
 def shapes_from_hf_config(cfg: dict) -> List[Tuple[str, Tuple[int, int]]]:
@@ -117,17 +119,31 @@ def plot_rows(rows: List[dict], path: str) -> None:
 
 
 def cmd_plan(args) -> int:
-    shapes = load_shapes(args.preset, args.hf_config, args.shapes)
-    cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8)
-    rows = plan_rows(shapes, args.world_sizes, args.layout, args.strategies, args.ns_steps, cm)
+    cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8, args.pcie_gbps * 1e9 / 8, args.offload)
+    rows = []
+    if args.summary:  # the run's own world and holdings first, then any --world-sizes by --layout
+        from .summary import Summary
+
+        run = Summary.load(args.summary)
+        shapes = [(m.key, m.shape) for m in run.matrices]
+        rows = run.plan_rows(args.strategies, cm)
+    else:
+        shapes = load_shapes(args.preset, args.hf_config, args.shapes)
+        args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+    rows += plan_rows(shapes, args.world_sizes or [], args.layout, args.strategies, args.ns_steps, cm)
+    if not rows:
+        print("no Muon matrices to plan", file=sys.stderr)
+        return 1
     if args.plot:
         plot_rows(rows, args.plot)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
         return 0
-    print(f"{len(shapes)} matrices, {args.layout} layout, NS {args.ns_steps} steps, "
-          f"{args.tflops:g} TFLOP/s per rank, {args.link_gbps:g} Gbit/s per rank")
+    source = f"the run in {args.summary} (its own holdings), then " if args.summary else ""
+    print(f"{len(shapes)} matrices, {source}{args.layout} layout, NS {args.ns_steps} steps, "
+          f"{args.tflops:g} TFLOP/s per rank, {args.link_gbps:g} Gbit/s per rank"
+          + (f", optimizer state offloaded to the host ({args.pcie_gbps:g} Gbit/s host<->device)" if args.offload else ""))
     cols = list(rows[0].keys())
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" for _ in cols) + "|")
@@ -153,13 +169,20 @@ def main(argv=None) -> int:
     src.add_argument("--preset", help="configs/models/NAME.json (e.g. gpt-125m, llama-7b, llama-70b, moe-64e) or a path")
     src.add_argument("--hf-config", help="a Hugging Face config.json")
     src.add_argument("--shapes", help='JSON: {"matrices": [{"name": ..., "shape": [rows, cols]}, ...]}')
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 512, 4096])
+    src.add_argument("--summary", help="JSON of a run's Muon.summary().save(PATH): its matrices, at its world size "
+                                       "with what each rank held (and at --world-sizes if given)")
+    p.add_argument("--world-sizes", type=int, nargs="+", help=f"default {DEFAULT_WORLD_SIZES} (none with --summary)")
     p.add_argument("--layout", choices=["replicated", "partitioned"], default="partitioned",
                    help="replicated: DDP; partitioned: ZeRO-1/2 or FSDP1 flat shards")
     p.add_argument("--strategies", nargs="+", choices=ALL_STRATEGIES, default=list(ALL_STRATEGIES))
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
     p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
+    p.add_argument("--offload", action="store_true",
+                   help="optimizer state in host memory (ZeRO-Offload, FSDP2 CPUOffloadPolicy): add each rank's "
+                        "host<->device copies of its pieces and results (column max_host_bytes)")
+    p.add_argument("--pcie-gbps", type=float, default=400.0,
+                   help="host<->device Gbit/s per rank under --offload (default: 400, PCIe Gen5 x16 in practice)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write a PNG of modelled step time and traffic against world size")
     p.set_defaults(fn=cmd_plan)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .exchange import Exchange
 from .groups import as_dtype
 from .layout import Layout
+from .offload import HostNS, exchange_device, host_state
 from .newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients)
 from .planner import CostModel, MatrixTask, plan_homes
@@ -165,21 +166,25 @@ def _ident(group) -> Tuple[Tuple[int, ...], str]:
 
 def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict], *, mode: str, planner: str,
                       cost_model: CostModel, comm_dtype: Optional[torch.dtype], waves: int,
-                      group: Optional[dist.ProcessGroup] = None) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
+                      group: Optional[dist.ProcessGroup] = None,
+                      offload: bool = False) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
     """Plan homes and build one Exchange per (gather, scatter) dtype pair and wave; each
     comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group;
-    ``group`` (default the layout's) is where the all_to_alls run (:class:`ExchangeGroups`)."""
+    ``group`` (default the layout's) is where the all_to_alls run (:class:`ExchangeGroups`).
+    Pieces offloaded to host memory (``offload``, or :func:`~ds_muon.offload.host_state`) are
+    orthogonalized on the accelerator (:mod:`~ds_muon.offload`)."""
     by_dtypes: Dict[tuple, List[int]] = {}
     stack_key: Dict[int, Hashable] = {}
     ns_of: Dict[Hashable, NSSettings] = {}
     ns_at: Dict[int, NSSettings] = {}
-    device = None
+    device, offloaded = None, False
     for i in todo:
         b, _ = layout.local[i]
         ns = ns_at[i] = ns_settings(group_of[id(b.param)])
         info = layout.matrices[i]
         mom_dtype = b.flat(b.param).dtype
         device = b.flat(b.param).device
+        offloaded = host_state(b.param, offload)
         if comm_dtype is not None:
             dts = (comm_dtype, comm_dtype)
         else:  # lossless: NS casts its input to this dtype first anyway
@@ -190,6 +195,10 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
         skey = (info.rows, info.cols, ns.steps, coeffs, ns.dtype, ns.eps, ns.method, ns.compile)
         stack_key[i] = skey
         ns_of[skey] = ns
+    if todo and offloaded:
+        host, device = device, exchange_device(device, group if group is not None else layout.group)
+        if device == host:  # stacks assembled on the host: NS in chunks on the accelerator
+            ns_of = {k: HostNS(ns) for k, ns in ns_of.items()}
     compiled = []
     for (gdt, sdt), idx in by_dtypes.items():
         if mode == "duplicated":

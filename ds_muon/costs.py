@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .planner import CostModel, MatrixTask, gather_traffic, plan_homes
+from .planner import CostModel, MatrixTask, gather_traffic, host_traffic, plan_homes
 
 SHARDED = ("locality", "lpt", "round_robin")
 BASELINES = ("duplicated", "deepspeed_owner")
@@ -43,6 +43,7 @@ class StrategyCost:
     seconds: List[float]
     collectives: int
     max_matrices_per_rank: int
+    host_bytes: Optional[List[float]] = None  # host<->device bytes per rank under offload (None: no offload)
 
     def row(self, tasks: Sequence[MatrixTask]) -> Dict[str, object]:
         world = len(self.ns_flops)
@@ -61,6 +62,7 @@ class StrategyCost:
             "total_bytes_moved": int(sum(self.bytes_sent)),
             "collectives_per_step": self.collectives,
             "modelled_step_ms": round(max(self.seconds) * 1e3, 4),
+            **({"max_host_bytes": int(max(self.host_bytes))} if self.host_bytes is not None else {}),
         }
 
 
@@ -73,13 +75,17 @@ def sharded_cost(tasks: Sequence[MatrixTask], world: int, strategy: str, cm: Cos
     plan = plan_homes(tasks, world, strategy, cm)
     sent, recv = plan.traffic()
     per_home = [plan.homes.count(r) for r in range(world)]
-    return StrategyCost(strategy, plan.ns_cost, sent, recv, plan.step_time(), 2, max(per_home))
+    host = host_traffic(plan.tasks, world) if cm.offload else None
+    return StrategyCost(strategy, plan.ns_cost, sent, recv, plan.step_time(), 2, max(per_home), host)
 
 
 def _modelled(strategy: str, ns: List[float], sent: List[float], recv: List[float], collectives: int,
-              count: List[int], cm: CostModel) -> StrategyCost:
-    seconds = [cm.seconds(f, s + r) for f, s, r in zip(ns, sent, recv)]
-    return StrategyCost(strategy, ns, sent, recv, seconds, collectives, max(count))
+              count: List[int], cm: CostModel, tasks: Sequence[MatrixTask] = ()) -> StrategyCost:
+    """A baseline's step from its per-rank NS FLOPs and traffic (plus, under offload, each rank's
+    pieces to the device and back, as for the sharded strategies)."""
+    host = host_traffic(tasks, len(ns)) if cm.offload else [0.0] * len(ns)
+    seconds = [cm.seconds(f, s + r, h) for f, s, r, h in zip(ns, sent, recv, host)]
+    return StrategyCost(strategy, ns, sent, recv, seconds, collectives, max(count), host if cm.offload else None)
 
 
 def _gather(t: MatrixTask, receivers: Sequence[int], sent: List[float], recv: List[float]) -> None:
@@ -94,7 +100,7 @@ def duplicated_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> S
     for t in tasks:
         _gather(t, range(world), sent, recv)
     total = sum(t.flops for t in tasks)
-    return _modelled("duplicated", [total] * world, sent, recv, len(tasks), [len(tasks)], cm)
+    return _modelled("duplicated", [total] * world, sent, recv, len(tasks), [len(tasks)], cm, tasks)
 
 
 def deepspeed_owner_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
@@ -108,7 +114,7 @@ def deepspeed_owner_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel)
         for r in holders:
             ns[r] += t.flops
             count[r] += 1
-    return _modelled("deepspeed_owner", ns, sent, recv, gathers, count, cm)
+    return _modelled("deepspeed_owner", ns, sent, recv, gathers, count, cm, tasks)
 
 
 def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
@@ -142,7 +148,7 @@ def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostMode
         for k, r in enumerate(others):  # scatter: holders split among homes
             sent[hs[k % len(hs)]] += t.held[r] * t.elem_bytes
             recv[r] += t.held[r] * t.elem_bytes
-    return _modelled("locality+dup", ns, sent, recv, 2, count, cm)
+    return _modelled("locality+dup", ns, sent, recv, 2, count, cm, tasks)
 
 
 def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,

@@ -12,6 +12,19 @@ object of :class:`~ds_muon.planner.CostModel` fields) plus ``adam_lr`` and
 Everything else in the config goes to DeepSpeed unchanged, with
 ``zero_allow_untested_optimizer`` set.
 
+Optimizer offload: ``"zero_optimization": {"offload_optimizer": {"device": "cpu",
+"pin_memory": true}}`` works as written (``zero_force_ds_cpu_optimizer`` is set to
+false for you: Muon, not DeepSpeed's CPU Adam, steps the host partition).  Momentum
+and AdamW moments live beside the fp32 partition in host memory; the result is
+bitwise the run without offload (docs/DEEPSPEED.md).
+
+Binding: ``ds_muon.deepspeed.bind(engine)`` is the one spelling (after a
+``deepspeed.initialize`` you called yourself; :func:`initialize`,
+``ds_muon.accelerate.prepare`` and ``ds_muon.trainer.MuonTrainer`` call it).
+``ds_muon.integrations.deepspeed.bind`` is the same function under its
+implementation module's name, the spelling older docs used: it keeps working but
+is deprecated as a public name.
+
 Gradient clipping: DeepSpeed's ``gradient_clipping`` (DeepSpeed 0.19.8 defaults it
 to 1.0) clips the raw averaged gradient before ``Muon.step``; the orthogonalized
 update is never clipped (its scale is set by ``lr`` and ``scale_mode``).
@@ -27,8 +40,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .cpu_adam import adamw_kernel
 from .integrations.base import HOW_TO_BIND
-from .integrations.deepspeed import bind, check_no_deepspeed_muon_tags, check_supported_config
+from .integrations.deepspeed import (allow_client_optimizer_offload, bind, check_no_deepspeed_muon_tags,
+                                     check_supported_config)
 from .integrations.moe import split_moe_groups
 from .optimizer import Muon
 from .param_groups import muon_param_groups
@@ -39,6 +54,7 @@ OPTIMIZER_TYPE = "DsMuon"
 # cannot apply under DeepSpeed (its gradients are final only inside its own reduction)
 _NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward", "adapter")
 _GROUP_KEYS = ("adam_lr", "adam_weight_decay", "routers")
+_ENTRY_KEYS = ("adam_kernel",)  # entry settings that are neither Muon keywords nor group keys
 
 
 def accepted_params():
@@ -46,7 +62,7 @@ def accepted_params():
     sig = inspect.signature(Muon.__init__)
     keys = [k for k, v in sig.parameters.items()
             if k not in _NOT_FROM_CONFIG and v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
-    return sorted(set(keys) | set(_GROUP_KEYS))
+    return sorted(set(keys) | set(_GROUP_KEYS) | set(_ENTRY_KEYS))
 
 
 def load_config(config) -> Dict[str, Any]:
@@ -114,18 +130,28 @@ def parse_params(params: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict
 
 
 def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any]]) -> Muon:
-    """``Muon`` over ``muon_param_groups(model)`` from a DsMuon entry's ``params``."""
+    """``Muon`` over ``muon_param_groups(model)`` from a DsMuon entry's ``params``.
+
+    ``"adam_kernel": "deepspeed_cpu"`` steps the AdamW tensors held on the host with
+    DeepSpeed's CPU Adam (:mod:`ds_muon.cpu_adam`: faster, not bitwise torch's AdamW);
+    the default ``"torch"`` keeps an offloaded run bitwise the run without."""
+    entry_params = dict(entry_params or {})
+    kernel = adamw_kernel(str(entry_params.pop("adam_kernel", "torch")))
     muon_kw, group_kw = parse_params(entry_params)
     groups = muon_param_groups(model, **group_kw)
-    return Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
+    muon = Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
+    if kernel is not None:
+        muon.adamw_kernel = kernel
+    return muon
 
 
 def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any], Optional[Muon]]:
     """``(config for DeepSpeed, Muon or None)`` from a config with or without a DsMuon entry.
 
     For callers that hand the optimizer to ``deepspeed.initialize`` themselves (accelerate):
-    the returned config has the entry removed and ``zero_allow_untested_optimizer`` set; pass
-    the Muon as ``optimizer=`` and call ``ds_muon.integrations.deepspeed.bind(engine)`` after.
+    the returned config has the entry removed, ``zero_allow_untested_optimizer`` set (and, with
+    ``offload_optimizer`` on the host, ``zero_force_ds_cpu_optimizer`` false); pass
+    the Muon as ``optimizer=`` and call ``ds_muon.deepspeed.bind(engine)`` after.
     """
     cfg = load_config(config)
     if not is_dsmuon_entry(cfg):
@@ -138,7 +164,7 @@ def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any
     check_no_deepspeed_muon_tags(list(model.parameters()), {p: n for n, p in model.named_parameters()})
     muon = build_optimizer(model, entry.get("params"))
     cfg["zero_allow_untested_optimizer"] = True
-    return cfg, muon
+    return allow_client_optimizer_offload(cfg), muon
 
 
 def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
@@ -181,6 +207,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                              "remove the entry")
         check_supported_config(cfg)
         check_no_deepspeed_muon_tags(list(model.parameters()), names)
+        allow_client_optimizer_offload(cfg)
     else:
         kw = {} if distributed_port is None else {"distributed_port": distributed_port}
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

@@ -117,11 +117,19 @@ def apply_plan(param: torch.Tensor, plan: StackPlan) -> torch.Tensor:
     return param
 
 
+def adamw_role(module: nn.Module, pname: str, routers: str = "adamw") -> Optional[str]:
+    """Why a MoE tensor takes AdamW whatever its shape: ``"router"`` (unless ``routers="muon"``)
+    or ``"expert bias"``; None when no MoE rule applies (the reason :meth:`ds_muon.Muon.summary` shows)."""
+    if routers == "adamw" and is_router(module):
+        return "router"
+    if is_fused_experts(module) and pname.endswith("bias"):
+        return "expert bias"
+    return None
+
+
 def takes_adamw(module: nn.Module, pname: str, routers: str = "adamw") -> bool:
     """Router weights (unless ``routers="muon"``) and expert biases take AdamW whatever their shape."""
-    if routers == "adamw" and is_router(module):
-        return True
-    return is_fused_experts(module) and pname.endswith("bias")
+    return adamw_role(module, pname, routers) is not None
 
 
 def tag_fused_experts(model: nn.Module, shape_of: Callable[[torch.Tensor], Tuple[int, ...]] = global_shape) -> None:

@@ -41,6 +41,7 @@ from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
 from .layout import Layout, ParamBinding, build_layout, local_shard
 from .overlap import OverlapSettings, Wave
+from .summary import Summary, log_first_step, summarize
 from .tags import restore_tags
 from .planner import STRATEGIES, CostModel
 from .update import apply_coefficients, apply_result, ns_input
@@ -76,6 +77,8 @@ class Muon(Optimizer):
     ``adapter`` describes where each tensor's shards live (default: picked per tensor
     for no wrapper/DDP, FSDP1 and FSDP2; see :mod:`ds_muon.integrations`); DeepSpeed's
     is attached after ``deepspeed.initialize`` (:meth:`attach`).
+    :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
+    logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class Muon(Optimizer):
         waves: int = 4,
         dispatch_in_backward: bool = True,
         adapter: Optional[StackAdapter] = None,
+        log_summary: bool = True,
         compile: bool = False,
     ):
         if mode not in MODES:
@@ -127,6 +131,7 @@ class Muon(Optimizer):
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
         self.nonfinite_skips = 0
+        self.log_summary = bool(log_summary)  # one INFO line (logger "ds_muon") after the first step, rank 0
         self._not_carried: Tuple[str, ...] = ()  # what a copy lost and must be given again (see __getstate__)
         self._reset_runtime()
         defaults = dict(
@@ -152,6 +157,7 @@ class Muon(Optimizer):
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
         self._flats: Optional[_Flats] = None  # during a step: each tensor's flat local data
+        self._summary_logged = False  # the first step's log line (see summary.log_first_step)
 
     # -- overlap settings (the keywords Muon takes), read-only ---------------------
     @property
@@ -169,7 +175,7 @@ class Muon(Optimizer):
 
     # -- copies, pickling and loading --------------------------------------------
     _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",
-                 "cost_model", "adam_betas", "adam_eps", "nonfinite_skips")
+                 "cost_model", "adam_betas", "adam_eps", "nonfinite_skips", "log_summary")
     _NOT_CARRIED = ("model", "process_group")
 
     def __getstate__(self) -> dict:
@@ -339,9 +345,12 @@ class Muon(Optimizer):
         self._init_state()
         self._flats = _Flats()  # each tensor's local data, flattened once this step
         try:
-            return self._stages(loss)
+            loss = self._stages(loss)
         finally:
             self._flats = None
+        if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
+            self._summary_logged = log_first_step(self)
+        return loss
 
     def _stages(self, loss):
         """The stages of :meth:`step`, in order (see the module docstring)."""
@@ -422,7 +431,8 @@ class Muon(Optimizer):
             return
         st = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        functional_adamw(
+        kernel = getattr(self, "adamw_kernel", None) or functional_adamw  # opt-in: ds_muon.cpu_adam
+        kernel(
             [local_shard(p) for p in params], [local_shard(p.grad) for p in params], [local_shard(s["exp_avg"]) for s in st],
             [local_shard(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
@@ -503,7 +513,8 @@ class Muon(Optimizer):
             key = exchange_key(layout, todo, self.param_groups)
             compiled = self._exchanges.get(key, lambda: compile_exchanges(
                 layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
-                comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group)))
+                comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group),
+                offload=bool(getattr(self.adapter, "offload", False))))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 
@@ -655,6 +666,14 @@ class Muon(Optimizer):
         super().load_state_dict(state_dict)
 
     # -- introspection --------------------------------------------------------
+    def summary(self) -> Summary:
+        """Per tensor: Muon or AdamW and why, its logical matrices (after splits, experts and
+        tensor-parallel tags) with their scale factors and home ranks; per rank: NS FLOPs and
+        bytes moved per step.  ``str()`` is a table.  Every rank computes every rank's columns
+        (of the process groups it is in), so rank 0 prints the whole picture.  Before the first step this binds the tensors, a collective: call it on every rank then
+        (see :mod:`ds_muon.summary`)."""
+        return summarize(self)
+
     def exchanges(self) -> List[Exchange]:
         """The compiled exchanges now cached (for reports and tests)."""
         return self._exchanges.exchanges()

@@ -14,7 +14,7 @@ from torch import nn
 from .experts import check_matrix_dims, check_routers, param_modules, tag_fused_experts
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .layout import global_shape
-from .selection import HEAD_NAMES, split_params, stores_in_out
+from .selection import HEAD_NAMES, param_reasons, split_params, stores_in_out
 from .tags import shape_tags, split_rows, transposed
 
 def muon_param_groups(
@@ -30,7 +30,8 @@ def muon_param_groups(
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
 
-    Groups record ``param_names`` so errors and reports can name tensors.  An
+    Groups record ``param_names`` so errors and reports can name tensors, and
+    ``param_reasons`` (why each took Muon or AdamW) for :meth:`ds_muon.Muon.summary`.  An
     FSDP1-wrapped model is read through its flat parameters' metadata.
     ``head_names`` overrides which module names count as output heads; extra
     keyword arguments go into the Muon group (e.g. ``ns_steps=6``).
@@ -57,6 +58,7 @@ def muon_param_groups(
                                  **muon_options)
     check_shapes_are_known(model)
     muon, adam = split_params_checked(model, head_names, routers)
+    why = param_reasons(model, head_names, routers)  # what Muon.summary() shows
     if not muon and not adam:
         raise ValueError("muon_param_groups: the model has no trainable parameters")
     if not muon:
@@ -67,10 +69,12 @@ def muon_param_groups(
             "head_names= if a hidden layer is named like a head")
     groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
                "param_tags": [shape_tags(p) for _, p in muon],  # restored if a stack swaps the tensors
+               "param_reasons": [why[id(p)] for _, p in muon],
                "lr": lr, "weight_decay": weight_decay, **muon_options}]
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
-                       "lr": adam_lr, "weight_decay": adam_weight_decay})
+                       "param_reasons": [why[id(p)] for _, p in adam], "lr": adam_lr,
+                       "weight_decay": adam_weight_decay})
     return groups
 
 

@@ -29,14 +29,23 @@ STRATEGIES = ("locality", "lpt", "round_robin")
 @dataclass(frozen=True)
 class CostModel:
     """Rates that turn FLOPs and bytes into seconds (defaults: one H100/H200-class GPU
-    at 400 TFLOP/s of bf16 matmul in NS, 50 GB/s per rank of all_to_all bandwidth)."""
+    at 400 TFLOP/s of bf16 matmul in NS, 50 GB/s per rank of all_to_all bandwidth).
+
+    ``offload``: optimizer state lives in host memory (ZeRO-Offload, FSDP2
+    ``CPUOffloadPolicy``), so each rank's pieces cross host→device before NS and their
+    results device→host after it, at ``pcie_bytes_per_s`` (default 50 GB/s, PCIe Gen5
+    x16 in practice); :func:`host_traffic` counts those bytes."""
 
     flops_per_s: float = 400e12
     bytes_per_s: float = 50e9
+    pcie_bytes_per_s: float = 50e9
+    offload: bool = False
 
-    def seconds(self, flops: float, bytes_moved: float) -> float:
-        """One rank's modelled step: its NS FLOPs plus every byte it sends or receives."""
-        return flops / self.flops_per_s + bytes_moved / self.bytes_per_s
+    def seconds(self, flops: float, bytes_moved: float, host_bytes: float = 0.0) -> float:
+        """One rank's modelled step: its NS FLOPs plus every byte it sends or receives, plus
+        (with ``offload``) every byte it copies between host and device."""
+        pcie = host_bytes / self.pcie_bytes_per_s if self.offload else 0.0
+        return flops / self.flops_per_s + bytes_moved / self.bytes_per_s + pcie
 
 
 @dataclass(frozen=True)
@@ -88,9 +97,21 @@ class Plan:
         return sent, recv
 
     def step_time(self) -> List[float]:
-        """Modelled seconds per rank: NS plus both exchanges."""
+        """Modelled seconds per rank: NS plus both exchanges (plus host↔device copies under offload)."""
         sent, recv = self.traffic()
-        return [self.cost_model.seconds(c, s + r) for c, s, r in zip(self.ns_cost, sent, recv)]
+        host = host_traffic(self.tasks, self.world_size)
+        return [self.cost_model.seconds(c, s + r, h) for c, s, r, h in zip(self.ns_cost, sent, recv, host)]
+
+
+def host_traffic(tasks: Sequence[MatrixTask], world_size: int) -> List[float]:
+    """Bytes each rank copies between host and device per step when its optimizer state is
+    offloaded: its pieces of every matrix host→device, their results device→host.  Where the
+    homes are does not change it (a rank moves what it holds), so it never moves a home."""
+    out = [0.0] * world_size
+    for t in tasks:
+        for r, n in enumerate(t.held[:world_size]):
+            out[r] += 2 * n * t.elem_bytes
+    return out
 
 
 def gather_traffic(t: MatrixTask, receivers: Sequence[int]) -> Dict[int, List[float]]:

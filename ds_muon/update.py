@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .offload import to_device_of
 from .scaling import get_muon_scale_factor
 
 
@@ -59,6 +60,7 @@ def apply_result(params: List[torch.Tensor], results: List[torch.Tensor], decay:
     ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation."""
     if not params:
         return
+    results = to_device_of(params, results)  # NS ran on the accelerator for host pieces (offload)
     if decay is not None:
         torch._foreach_mul_(params, decay)
     torch._foreach_add_(params, [r if r.dim() == 1 else r.reshape(-1) for r in results], alpha=alpha)

@@ -7,16 +7,15 @@
 Run from the repository root (the DeepSpeed configs name their JSON files relative to it).
 The same files run on GPUs (NCCL) and on CPUs (gloo); see docs/ACCELERATE.md.
 
-* FSDP2: the optimizer is built on the plain model and ``accelerator.prepare`` swaps its
-  parameters for the sharded DTensors.  On CPU accelerate silently turns FSDP into DDP,
-  so there (only there) the script applies ``fully_shard`` itself, with the wrap policy
-  and ``reshard_after_forward`` of the launch config, and prepares only the optimizer and
-  the data loader.
-* DeepSpeed: the JSON config carries the ``"type": "DsMuon"`` optimizer entry.
-  ``ds_muon.deepspeed.optimizer_from_config`` turns it into a ``ds_muon.Muon`` and
-  removes it from the config accelerate hands to DeepSpeed (accelerate refuses an
-  optimizer in both places); after ``prepare``, ``ds_muon.integrations.deepspeed.bind(engine)`` tells the
-  Muon where ZeRO put each matrix.
+The whole integration is two lines::
+
+    accelerator = ds_muon.accelerate.Accelerator()
+    model, opt, loader = ds_muon.accelerate.prepare(accelerator, model, loader, lr=..., adam_lr=...)
+
+``prepare`` builds the Muon (DeepSpeed: from the config's ``"type": "DsMuon"`` entry, which
+``--lr``/``--adam-lr`` override), shards the model (FSDP2, also on CPU) and binds the Muon to
+the DeepSpeed engine.  The GPT declares ``_no_split_modules = ["Block"]`` the way Hugging Face
+models declare their decoder layers, which is what fsdp2.yaml's wrap policy reads.
 
 Rank 0 prints one JSON line at the end: losses, ``muon_home_ranks`` (the ranks that ran
 Newton-Schulz), ``dtensor_params`` (FSDP2) and ``deepspeed_binding`` (DeepSpeed).
@@ -35,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ds_muon  # noqa: E402
+import ds_muon.accelerate  # noqa: E402
 from gpt import GPT, evaluate, split, stdlib_bytes  # noqa: E402
 
 
@@ -81,134 +81,28 @@ class Windows(Dataset):
         return self.data[s:s + self.seq], self.data[s + 1:s + 1 + self.seq]
 
 
-def make_accelerator():
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    if torch.cuda.is_available():
-        return Accelerator()
-    # CPU only (the launch configs say use_cpu: false so that they work unchanged on GPUs):
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        # accelerate's DeepSpeed path exists only with cpu=False, where it would pick NCCL: ask for gloo
-        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-    # everything else: accelerate's multi-process CPU mode (gloo, data loader sharded over ranks)
-    return Accelerator(cpu=True)
-
-
-def fsdp_requested_but_not_applied(accelerator) -> bool:
-    """accelerate only honours an FSDP launch config on accelerators; on CPU it falls back to DDP."""
-    from accelerate.utils import DistributedType
-
-    return (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-            and accelerator.distributed_type != DistributedType.FSDP)
-
-
-def fully_shard_on_cpu(accelerator, model):
-    """CPU-only workaround: FSDP2 the way accelerate's ``fsdp2_prepare_model`` would do it.
-
-    Reads the launch config's FSDP settings (wrap policy, ``reshard_after_forward``) from the
-    same environment accelerate reads, shards the matching modules bottom-up and then the root.
-    """
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    plugin = FullyShardedDataParallelPlugin()  # from ACCELERATE_USE_FSDP / FSDP_* set by accelerate launch
-    if plugin.fsdp_version != 2:
-        raise SystemExit(f"accelerate_train.py: the launch config asks for FSDP{plugin.fsdp_version}; on CPU this "
-                         "example can only stand in for FSDP2 (fsdp_version: 2, configs/accelerate/fsdp2.yaml)")
-    if accelerator.mixed_precision != "no":
-        raise SystemExit(f"accelerate_train.py: mixed_precision={accelerator.mixed_precision!r} with FSDP2 on CPU is "
-                         "not supported by this example's workaround; use mixed_precision: 'no' on CPU")
-    if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
-        raise SystemExit("accelerate_train.py: fsdp_offload_params has nothing to offload to on CPU; set it to false")
-    mesh = init_device_mesh("cpu", (accelerator.num_processes,))
-    plugin.set_auto_wrap_policy(model)
-    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    kw = {"mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward}
-    for module in reversed(list(model.modules())[1:]):  # children before parents, the root last
-        if policy is not None and policy(module):
-            fully_shard(module, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
-def deepspeed_muon(accelerator, model, args):
-    """The Muon for accelerate's DeepSpeed path, from the config's ``"type": "DsMuon"`` entry.
-
-    accelerate refuses an optimizer both in the config and in ``prepare``; the entry is
-    turned into a ``ds_muon.Muon`` and removed from the config accelerate hands to
-    DeepSpeed (in place: accelerate keeps that dict).  Without an entry, ds_muon's
-    default groups are used.
-    """
-    plugin = accelerator.state.deepspeed_plugin
-    cfg = plugin.deepspeed_config
-    opt_entry = cfg.get("optimizer")
-    if opt_entry is not None and not ds_muon.deepspeed.is_dsmuon_entry(cfg):
-        raise SystemExit(f"accelerate_train.py trains with ds_muon but the DeepSpeed config names the optimizer "
-                         f"{opt_entry.get('type')!r}; use \"type\": \"DsMuon\" or remove the entry")
-    if opt_entry is not None:  # command-line learning rates override the entry's
-        params = dict(opt_entry.get("params") or {})
-        params.update({k: v for k, v in (("lr", args.lr), ("adam_lr", args.adam_lr)) if v is not None})
-        cfg["optimizer"] = {**opt_entry, "params": params}
-    new_cfg, muon = ds_muon.deepspeed.optimizer_from_config(model, cfg)
-    if muon is None:
-        muon = plain_muon(model, args)
-    # the data loader fixes the micro-batch; keep the config consistent with it
-    new_cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
-    new_cfg.pop("train_batch_size", None)
-    cfg.clear()
-    cfg.update(new_cfg)
-    return muon
-
-
-def plain_muon(model, args):
-    """ds_muon's default groups; ``--lr``/``--adam-lr`` override the library defaults (0.02, 3e-4)."""
-    given = {k: v for k, v in (("lr", args.lr), ("adam_lr", args.adam_lr)) if v is not None}
-    return ds_muon.Muon(ds_muon.muon_param_groups(model, **given))
-
-
-def find_muon(opt):
-    while opt is not None and not isinstance(opt, ds_muon.Muon):
-        opt = getattr(opt, "optimizer", None)
-    return opt
-
-
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from accelerate.utils import DistributedType
 
-    accelerator = make_accelerator()
+    accelerator = ds_muon.accelerate.Accelerator()
     world, rank = accelerator.num_processes, accelerator.process_index
-    dist_type = accelerator.distributed_type
     train_data, eval_data = split(stdlib_bytes())
 
     torch.manual_seed(args.seed)
     model = GPT(d=args.width, layers=args.layers, heads=args.heads, seq=args.seq_len)
+    model._no_split_modules = ["Block"]  # what accelerate's TRANSFORMER_BASED_WRAP shards (as in HF models)
     loader = DataLoader(Windows(train_data, args.seq_len, args.steps * args.micro_batch * world, args.seed + 1),
                         batch_size=args.micro_batch, shuffle=False)
 
-    cpu_fsdp2 = fsdp_requested_but_not_applied(accelerator)
-    engine = None
-    if dist_type == DistributedType.DEEPSPEED:
-        muon = deepspeed_muon(accelerator, model, args)
-        model, opt, loader = accelerator.prepare(model, muon, loader)
-        engine = model  # the DeepSpeedEngine
-        ds_muon.integrations.deepspeed.bind(engine)
-    elif cpu_fsdp2:
-        model = fully_shard_on_cpu(accelerator, model)
-        muon = plain_muon(model, args)
-        # the model is not handed to prepare: on CPU accelerate would wrap it in DDP on top of FSDP2
-        opt, loader = accelerator.prepare(muon, loader)
-    else:  # FSDP2 on accelerators (prepare swaps the Muon's parameters for DTensors), DDP, one process
-        muon = plain_muon(model, args)
-        model, opt, loader = accelerator.prepare(model, muon, loader)
-    if find_muon(opt) is not muon:
-        raise RuntimeError(f"accelerate wrapped the optimizer as {type(opt).__name__} without the ds_muon.Muon inside")
+    settings = {k: v for k, v in (("lr", args.lr), ("adam_lr", args.adam_lr)) if v is not None}
+    model, opt, loader = ds_muon.accelerate.prepare(accelerator, model, loader, **settings)
+    muon = ds_muon.accelerate.find_muon(opt)
+    dist_type = accelerator.distributed_type
+    engine = model if dist_type == DistributedType.DEEPSPEED else None
 
-    fsdp2 = cpu_fsdp2 or accelerator.is_fsdp2
+    fsdp2 = accelerator.is_fsdp2
     dtensor_params = None
     if fsdp2:
         from torch.distributed.tensor import DTensor
@@ -240,7 +134,7 @@ def main(argv=None):
     homes = sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs})
     summary = {
         "script": "accelerate_train", "distributed_type": str(dist_type).split(".")[-1],
-        "fsdp2": fsdp2, "fsdp2_cpu_workaround": cpu_fsdp2, "world": world, "steps": len(losses),
+        "fsdp2": fsdp2, "world": world, "steps": len(losses),
         "train_losses": losses, "initial_eval_loss": initial_eval, "final_eval_loss": final_eval,
         "muon_home_ranks": homes, "seconds": seconds,
     }

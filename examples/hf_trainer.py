@@ -1,23 +1,24 @@
 """ds_muon in the Hugging Face ``transformers.Trainer``: a tiny GPT-2 on the stdlib's bytes.
 
-    python examples/hf_trainer.py                                   # one process
-    torchrun --nproc_per_node 2 examples/hf_trainer.py              # DDP (gloo on CPU)
+    python examples/hf_trainer.py                                              # one process
+    torchrun --nproc_per_node 2 examples/hf_trainer.py                         # DDP (gloo on CPU)
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --fsdp2                 # FSDP2 (also on CPU)
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed configs/deepspeed/zero3.json
 
-The recipe is one argument: ``Trainer(..., optimizers=(ds_muon.Muon(groups), None))``;
-the Trainer builds its LR schedule on top (per-group factors, so Muon's and AdamW's
+The recipe is one class: ``ds_muon.trainer.MuonTrainer(..., muon_settings=dict(lr=..., adam_lr=...))``
+in place of ``Trainer``; it builds the Muon on the model the Trainer trains (sharded under FSDP2;
+under DeepSpeed from the config's ``"type": "DsMuon"`` entry, bound to the engine the Trainer
+builds).  The Trainer builds its LR schedule on top (per-group factors, so Muon's and AdamW's
 learning rates keep their ratio).  Evaluate before training with
-``TrainingArguments(eval_on_start=True)``, never ``trainer.evaluate()`` before
-``trainer.train()``: with transformers 5.x the model is then never wrapped in DDP and
-each rank trains on its own gradients (ds_muon refuses that step on every rank).  The GPT-2 here is randomly initialised from a config
-(nothing is downloaded) and reads byte-level text from examples/gpt.py's
-``stdlib_bytes``.
+``TrainingArguments(eval_on_start=True)``; ``trainer.evaluate()`` before ``trainer.train()`` in a
+multi-process run is refused (it prepares the model for inference only).  The GPT-2 here is
+randomly initialised from a config (nothing is downloaded) and reads byte-level text from
+examples/gpt.py's ``stdlib_bytes``.
 
-GPT-2's ``Conv1D`` stores weights transposed, ``[in, out]``.  Newton-Schulz does not care
-(orthogonalizing Gᵀ gives the transpose of orthogonalizing G), but the default
-``scale_mode="shape_scaling"`` factor ``sqrt(max(1, out/in))`` must read ``[out, in]``:
-``ds_muon.muon_param_groups`` tags Conv1D weights ``ds_muon.transposed`` so ``c_fc``
-(64→256) gets 2 and ``mlp.c_proj`` (256→64) gets 1 (``--conv1d-as-stored`` drops the
-tags, for comparison).
+GPT-2's ``Conv1D`` stores weights transposed, ``[in, out]``.  ``ds_muon.muon_param_groups`` tags
+them ``ds_muon.transposed`` so the default ``scale_mode="shape_scaling"`` factor
+``sqrt(max(1, out/in))`` reads ``[out, in]``: ``c_fc`` (64->256) gets 2 and ``mlp.c_proj``
+(256->64) gets 1.
 
 Rank 0 prints one JSON line: the Trainer's logged losses, eval loss before/after,
 ``muon_home_ranks`` and the per-matrix scale factors applied.
@@ -34,7 +35,6 @@ import torch
 from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ds_muon  # noqa: E402
 from ds_muon.scaling import get_muon_scale_factor  # noqa: E402
 from gpt import split, stdlib_bytes  # noqa: E402
 
@@ -51,8 +51,10 @@ def parse_args(argv=None):
     ap.add_argument("--eval-samples", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--conv1d-as-stored", action="store_true",
-                    help="scale GPT-2 Conv1D updates by their stored [in, out] shape (no correction)")
+    ap.add_argument("--fsdp2", action="store_true", help="shard with FSDP2 (fully_shard per GPT2Block, then the root)")
+    ap.add_argument("--deepspeed", default=None,
+                    help="DeepSpeed JSON config with a \"type\": \"DsMuon\" entry (configs/deepspeed/zero{2,3}.json; "
+                         "its train_micro_batch_size_per_gpu must equal --micro-batch)")
     ap.add_argument("--output-dir", default="runs/hf_trainer")
     args = ap.parse_args(argv)
     for name in ("steps", "micro_batch", "seq_len", "eval_samples", "threads"):
@@ -78,61 +80,66 @@ class ByteWindows(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def muon_scale_factors(groups):
-    """The factor Muon applies to each matrix of the groups (what ``Muon`` computes)."""
+def muon_scale_factors(model, groups, shapes):
+    """The factor Muon applies to each matrix of the groups (what ``Muon`` computes), from the whole
+    ``(rows, cols)`` by name and the model's own tensors' tags (the groups may hold shards or
+    DeepSpeed's flat partitions)."""
     from ds_muon.tags import is_transposed
 
+    params = dict(model.named_parameters())
     out = {}
     for g in groups:
         if g["use_muon"]:
-            for p, name in zip(g["params"], g["param_names"]):
-                rows, cols = p.shape[0], p[0].numel()
-                out[name] = get_muon_scale_factor(*((cols, rows) if is_transposed(p) else (rows, cols)))
+            for name in g["param_names"]:
+                rows, cols = shapes[name]
+                out[name] = get_muon_scale_factor(*((cols, rows) if is_transposed(params[name]) else (rows, cols)))
     return out
 
 
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-    from transformers.pytorch_utils import Conv1D
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ds_muon.trainer import MuonTrainer
 
     on_cpu = not torch.cuda.is_available()
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun / accelerate launch
+    stack = {}
+    if args.fsdp2:
+        stack = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+    elif args.deepspeed:
+        stack = dict(deepspeed=args.deepspeed)
     targs = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
         per_device_eval_batch_size=args.micro_batch, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, eval_on_start=True,
-        use_cpu=on_cpu, ddp_backend="gloo" if on_cpu and launched else None,
+        use_cpu=on_cpu, ddp_backend="gloo" if on_cpu and launched else None, **stack,
     )
     torch.manual_seed(args.seed)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=args.seq_len,
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
-
-    groups = ds_muon.muon_param_groups(model, lr=args.lr, adam_lr=args.adam_lr)  # tags Conv1D weights
-    if args.conv1d_as_stored:
-        for mod in model.modules():
-            if isinstance(mod, Conv1D):
-                del mod.weight._ds_muon_transposed
-    scales = muon_scale_factors(groups)
-    muon = ds_muon.Muon(groups)
+    shapes = {n: (p.shape[0], p[0].numel()) for n, p in model.named_parameters() if p.ndim >= 2}
 
     train_data, eval_data = split(stdlib_bytes())
     world = targs.world_size
     train = ByteWindows(train_data, args.seq_len, args.steps * args.micro_batch * world, args.seed + 1)
     evalset = ByteWindows(eval_data, args.seq_len, args.eval_samples, 1234)
-    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evalset, optimizers=(muon, None))
+    trainer = MuonTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evalset,
+                          muon_settings=dict(lr=args.lr, adam_lr=args.adam_lr))
 
     trainer.train()  # evaluates first (eval_on_start), once the model is wrapped
     initial_eval = next(r["eval_loss"] for r in trainer.state.log_history if "eval_loss" in r)
     final_eval = trainer.evaluate()["eval_loss"]
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    muon = trainer.muon
+    scales = muon_scale_factors(trainer.model, muon.param_groups, shapes)
     homes = sorted({h for ex in muon.exchanges() for hs in ex.homes.values() for h in hs})
     wrapped = type(trainer.model_wrapped).__name__
     summary = {"script": "hf_trainer", "world": world, "wrapped_in": wrapped, "steps": trainer.state.global_step, "train_losses": losses,
                "initial_eval_loss": initial_eval, "final_eval_loss": final_eval, "muon_home_ranks": homes,
-               "muon_scale_factors": scales, "conv1d_corrected": not args.conv1d_as_stored}
+               "muon_scale_factors": scales}
     if trainer.is_world_process_zero():
         print(json.dumps(summary), flush=True)
     if torch.distributed.is_initialized():

@@ -397,3 +397,82 @@ def test_deferred_update_ordered_before_fsdp_gather_streams(stack):
     for equal, probes in dist_harness.run(_gather_stream_probe_worker, WORLD, stack, env=NCCL):
         assert probes == 1
         assert equal, "FSDP's gather stream read the shard before the deferred update landed"
+
+
+# -- optimizer-state offload: state on the host, NS on the GPU (ds_muon.offload) ---------------------
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_offload_pipelined_ns_matches_device_ns(ns_dtype):
+    """A host stack run through the H2D/NS/D2H pipeline in chunks equals NS on the whole stack on the
+    GPU (close; cuBLAS may pick other kernels for other batch sizes), with device scratch memory
+    within the stated bound."""
+    from ds_muon.compile import NSSettings
+    from ds_muon.offload import run_ns, scratch_bytes
+
+    ns = NSSettings(5, "keller", ns_dtype, 1e-7, "standard")
+    stack = torch.randn(12, 256, 512, generator=torch.Generator().manual_seed(0))
+    want = ns.run(stack.cuda()).cpu()
+    per = scratch_bytes(256 * 512, 1, 4, ns_dtype.itemsize)
+    budget = 3 * per  # four chunks of three matrices
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = run_ns(ns.run, stack, ns_dtype, device=torch.device("cuda"), budget=budget)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert got.device.type == "cpu" and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL if ns_dtype == torch.float32 else 1e-2)
+    assert peak <= budget, (peak, budget)
+
+
+def _offload_worker(rank, world, kind):
+    """ZeRO-2/3 with offload_optimizer cpu, or FSDP2 with CPUOffloadPolicy, against the same run without."""
+    import test_deepspeed as T
+
+    out = []
+    for offload in (False, True):
+        if kind == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+            dev = torch.device("cuda", torch.cuda.current_device())
+            model = T.make_model().to(dev)
+            kw = {"mesh": init_device_mesh("cuda", (world,))}
+            if offload:
+                kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+            fully_shard(model, **kw)
+            opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-3), ns_dtype=torch.float32)
+            for t in range(T.STEPS):
+                tokens, targets = (v.to(dev) for v in T.batch(t))
+                model(tokens, targets).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            state = {str(v.to_local().device.type) for s in opt.state.values() for v in s.values()
+                     if hasattr(v, "to_local")}
+            out.append(({n: p.full_tensor().cpu() for n, p in model.named_parameters()}, state))
+            continue
+        config = T.ds_config(int(kind[-1]), params=dict(T.PARAMS, ns_dtype="float32"))
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        engine, _, _, _ = ds_muon.deepspeed.initialize(model=T.make_model(), config=config)
+        for t in range(T.STEPS):
+            tokens, targets = (v.to(engine.device) for v in T.batch(t))
+            engine.backward(engine(tokens, targets))
+            engine.step()
+        state = {t.device.type for s in engine.basic_optimizer.state.values() for t in s.values() if torch.is_tensor(t)}
+        out.append(({n: v.cpu() for n, v in T.full_fp32(engine).items()}, state))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["zero2", "zero3", "fsdp2"])
+def test_offload_matches_no_offload_on_gpu(kind):
+    """State on the host, NS on the GPU: close to the run that keeps everything on the GPU (momentum
+    and AdamW then run on the CPU instead of the GPU, whose elementwise rounding may differ)."""
+    if kind != "fsdp2":
+        pytest.importorskip("deepspeed")
+    _need(1)
+    env = DS_ENV if kind != "fsdp2" else NCCL
+    for (plain, plain_state), (off, off_state) in dist_harness.run(_offload_worker, WORLD, kind, timeout=300, env=env):
+        assert plain_state == {"cuda"} and off_state == {"cpu"}, (plain_state, off_state)
+        for name, want in plain.items():
+            torch.testing.assert_close(off[name], want, rtol=0, atol=1e-5, msg=name)

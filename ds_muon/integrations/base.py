@@ -31,8 +31,9 @@ from ..layout import ParamBinding
 
 HOW_TO_BIND = (
     "build the engine with ds_muon.deepspeed.initialize(model=..., config=...) (config entry "
-    '"optimizer": {"type": "DsMuon", ...}), or call ds_muon.integrations.deepspeed.bind(engine) right '
-    "after deepspeed.initialize(...) / accelerator.prepare(...) (pass the engine, i.e. the prepared model)"
+    '"optimizer": {"type": "DsMuon", ...}), or call ds_muon.deepspeed.bind(engine) right '
+    "after deepspeed.initialize(...) / accelerator.prepare(...) (pass the engine, i.e. the prepared model; "
+    "ds_muon.accelerate.prepare and ds_muon.trainer.MuonTrainer do it for you)"
 )
 FLAT_PARTITION = "_ds_muon_flat"  # on a stack's 1-D flat partitions that hold matrices (DeepSpeed's, once bound)
 

@@ -19,6 +19,11 @@ sub-group) before calling ``step()``.  :func:`bind` attaches a :class:`DeepSpeed
 * Stage 0 (no ZeRO, fp32): the client optimizer steps the model's own replicated
   parameters; they are bound as replicas over the data-parallel group.
 
+With ``offload_optimizer: {device: cpu}`` the same partitions (and their ``.grad``) live in
+host memory and DeepSpeed still steps them through the client optimizer: the metadata read
+is the same, and the adapter's ``offload`` tells the engine that the NS work should move to
+the accelerator (:mod:`ds_muon.offload`).  NVMe and partial offload are refused.
+
 Nothing here computes offsets of its own: a misdescribed partition would fail
 in :func:`~ds_muon.layout.build_layout`, not corrupt the update.  DeepSpeed copies
 the partitions into the model's parameters right after ``step()``, so results are
@@ -39,7 +44,7 @@ from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .local import bind_replicated
 from .moe import tag_deepspeed_moe
 
-__all__ = ["DeepSpeedAdapter", "bind", "check_supported_config", "check_no_deepspeed_muon_tags", "HOW_TO_BIND"]
+__all__ = ["DeepSpeedAdapter", "bind", "check_supported_config", "allow_client_optimizer_offload", "check_no_deepspeed_muon_tags", "HOW_TO_BIND"]
 
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -53,22 +58,52 @@ FP16_STAGE0_MESSAGE = (
     'fp16 gradients underflow unscaled). Use "bf16": {"enabled": true}, or "zero_optimization": {"stage": 1} '
     "(or 2, 3) with fp16")
 OFFLOAD_MESSAGE = (
-    'ds_muon: "zero_optimization": {{"offload_optimizer": {{"device": "{device}"}}}} is not supported yet: the '
-    "Muon update must run where the flat fp32 partition lives, and DeepSpeed's offload steps it on the host with "
-    'its own CPU optimizer. Remove offload_optimizer (or set its "device" to "none")')
+    'ds_muon: "zero_optimization": {{"offload_optimizer": {{"device": "{device}"}}}} is not supported: ds_muon keeps '
+    "momentum and AdamW moments beside DeepSpeed's fp32 partition in host memory (\"device\": \"cpu\"), not on "
+    'NVMe. Use "offload_optimizer": {{"device": "cpu", "pin_memory": true}}, or "device": "none"')
+PARTIAL_OFFLOAD_MESSAGE = (
+    'ds_muon: "offload_optimizer": {{"ratio": {ratio}}} is not supported: DeepSpeed steps the sub-groups it keeps '
+    "on the accelerator with a second torch AdamW (only with its DeepSpeedCPUAdam), which would skip Muon. "
+    'Remove "ratio" (offload everything) or set it to 1.0')
+
+
+def offload_device(config: dict) -> str:
+    """The ``offload_optimizer`` device a DeepSpeed config asks for ("none" when it asks for none)."""
+    zero = config.get("zero_optimization") or {}
+    device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    return "none" if device == "auto" else device
 
 
 def check_supported_config(config: dict) -> None:
     """Refuse DeepSpeed settings ds_muon cannot train correctly, before DeepSpeed builds anything.
 
-    The adapter refuses the same settings from the built wrapper (for engines built elsewhere)."""
+    ``offload_optimizer`` to ``"cpu"`` is supported (:func:`allow_client_optimizer_offload`
+    lets DeepSpeed take Muon there); NVMe and partial offload are refused.  The adapter
+    refuses the same settings from the built wrapper (for engines built elsewhere)."""
     zero = config.get("zero_optimization") or {}
-    device = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
-    if device not in ("none", "auto"):
+    device = offload_device(config)
+    if device not in ("none", "cpu"):
         raise NotImplementedError(OFFLOAD_MESSAGE.format(device=device))
+    ratio = (zero.get("offload_optimizer") or {}).get("ratio", 1.0)
+    if device == "cpu" and float(ratio) != 1.0:
+        raise NotImplementedError(PARTIAL_OFFLOAD_MESSAGE.format(ratio=ratio))
     fp16 = config.get("fp16") or {}
     if fp16.get("enabled") is True and zero.get("stage", 0) in (0, "0"):  # DeepSpeed's default stage is 0
         raise NotImplementedError(FP16_STAGE0_MESSAGE)
+
+
+def allow_client_optimizer_offload(config: dict) -> dict:
+    """``config`` with ``zero_force_ds_cpu_optimizer: false`` when it offloads the optimizer to the
+    host: DeepSpeed otherwise refuses any optimizer but its CPU Adam there.  Muon steps the host
+    partition itself (exactly as without offload); a user's explicit ``true`` is refused."""
+    if offload_device(config) != "cpu":
+        return config
+    if config.get("zero_force_ds_cpu_optimizer") is True:
+        raise ValueError('ds_muon: "zero_force_ds_cpu_optimizer": true forbids any optimizer but DeepSpeed\'s CPU '
+                         'Adam under "offload_optimizer"; remove it (ds_muon sets it to false: Muon steps the host '
+                         "partition itself)")
+    config["zero_force_ds_cpu_optimizer"] = False
+    return config
 
 
 class DeepSpeedAdapter:
@@ -85,6 +120,7 @@ class DeepSpeedAdapter:
         self.wrapper = engine.optimizer
         self.wrapped = wrapped
         self.names: Dict[torch.Tensor, str] = dict(getattr(engine, "param_names", None) or {})
+        self.offload = False  # the fp32 partitions (and so Muon's state) live in host memory
         self.kind, self.flats = self._describe()
         self.data_parallel_group = _dp_group(engine)
 
@@ -117,8 +153,14 @@ class DeepSpeedAdapter:
                 "(supported: no wrapper (stage 0, fp32), DeepSpeedZeroOptimizer (ZeRO-1/2), BF16_Optimizer, "
                 "DeepSpeedZeroOptimizer_Stage3). With fp16/bf16 at stage 0, use ZeRO stage 1 or 2 instead"
             )
-        if getattr(w, "cpu_offload", False) or getattr(w, "offload_optimizer", False):
-            raise NotImplementedError(OFFLOAD_MESSAGE.format(device=_offload_device(self.engine)))
+        self.offload = bool(getattr(w, "cpu_offload", False) or getattr(w, "offload_optimizer", False))
+        if self.offload:
+            device = _offload_device(self.engine)
+            if device != "cpu" or getattr(w, "swap_optimizer", False):
+                raise NotImplementedError(OFFLOAD_MESSAGE.format(device=device))
+            ratio = getattr(w, "partial_offload", 1.0)
+            if ratio != 1.0:
+                raise NotImplementedError(PARTIAL_OFFLOAD_MESSAGE.format(ratio=ratio))
         return kind, {id(t): i for i, t in enumerate(flats)}
 
     def _name(self, p: torch.Tensor, fallback: str) -> str:

@@ -27,12 +27,13 @@ from torch import nn
 
 from ..experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
 from ..layout import MatrixSlot, ParamBinding, Piece
-from ..selection import HEAD_NAMES, is_muon_param, split_params, stores_in_out
+from ..selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, param_reasons, stores_in_out
 from ..slots import block_slots
 from ..tags import is_tagged, is_transposed, transposed
 from .base import BindContext
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
+FLAT_REASON = "FSDP1 flat parameter"  # its matrices take Muon, the rest of it AdamW (adam_ranges)
 
 
 def is_flat_param(t) -> bool:
@@ -133,15 +134,19 @@ def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, route
     A tensor shared by several modules (tied weights) takes Muon only if every
     module that uses it would give it Muon (a weight tied to an embedding is AdamW).
     """
+    return original_reason(flat, i, head_names, routers) == HIDDEN_MATRIX
+
+
+def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
+    """Why original tensor ``i`` of a FlatParameter takes Muon or AdamW (:func:`~ds_muon.selection.param_reason`;
+    a tied tensor: the first AdamW reason of the modules that share it)."""
     info = flat._param_infos[i]
     shape = tuple(flat._shapes[i])
-    if not is_muon_param(info.param_name, shape, info.module_name, info.module, head_names, routers):
-        return False
+    reason = param_reason(info.param_name, shape, info.module_name, info.module, head_names, routers)
     for s in flat._shared_param_infos:
-        if s.prim_module is info.module and s.prim_param_name == info.param_name:
-            if not is_muon_param(s.param_name, shape, s.module_name, s.module, head_names, routers):
-                return False
-    return True
+        if reason == HIDDEN_MATRIX and s.prim_module is info.module and s.prim_param_name == info.param_name:
+            reason = param_reason(s.param_name, shape, s.module_name, s.module, head_names, routers)
+    return reason
 
 
 def _shard_piece(flat, i: int, name: str) -> Tuple[Optional[Piece], int]:
@@ -257,9 +262,9 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
     check_routers(routers)
     mark_routers(model)
     index = _Fsdp1Index(model)
-    rule_muon, _ = split_params(model, head_names, routers)
-    rule_muon = {id(p) for _, p in rule_muon}
+    rule = param_reasons(model, head_names, routers)  # (as split_params) for tensors FSDP1 left alone
     muon, adam = [], []
+    why = {}  # id -> reason, what Muon.summary() shows
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -269,19 +274,22 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
             for i, fqn in enumerate(p._fqns):  # raises now for a 3+-D tensor binding could not describe
                 if original_is_muon(p, i, head_names, routers):
                     _tag_carrier(p, i, prefix + fqn)
+            why[id(p)] = FLAT_REASON
             muon.append((name, p))
         elif id(p) in index.orig:
             flat, i, _, _ = index.orig[id(p)]
-            is_muon = original_is_muon(flat, i, head_names, routers)
+            why[id(p)] = original_reason(flat, i, head_names, routers)
+            is_muon = why[id(p)] == HIDDEN_MATRIX
             if is_muon and not is_tagged(p):
                 _tag_carrier(flat, i, name)  # raises now for a 3+-D tensor it cannot describe
             (muon if is_muon else adam).append((name, p))
         else:
-            (muon if id(p) in rule_muon else adam).append((name, p))
+            why[id(p)] = rule[id(p)]
+            (muon if why[id(p)] == HIDDEN_MATRIX else adam).append((name, p))
     groups = []
     if muon:
         g = {"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True, "lr": lr,
-             "weight_decay": weight_decay, **muon_options}
+             "param_reasons": [why[id(p)] for _, p in muon], "weight_decay": weight_decay, **muon_options}
         if any(is_flat_param(p) for _, p in muon):
             g.update(adam_lr=adam_lr, adam_weight_decay=adam_weight_decay)
             if tuple(head_names) != HEAD_NAMES:
@@ -291,7 +299,8 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
         groups.append(g)
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
-                       "lr": adam_lr, "weight_decay": adam_weight_decay})
+                       "param_reasons": [why[id(p)] for _, p in adam], "lr": adam_lr,
+                       "weight_decay": adam_weight_decay})
     if not groups:
         raise ValueError("fsdp_param_groups: the model has no trainable parameters")
     return groups

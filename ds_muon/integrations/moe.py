@@ -101,16 +101,19 @@ def tag_deepspeed_moe(model: nn.Module) -> int:
     return len(experts)
 
 
+PER_TENSOR = ("param_names", "param_tags", "param_reasons")  # group keys with one entry per tensor
+
+
 def split_moe_groups(groups: List[dict]) -> List[dict]:
     """Split each param group into its dense and its expert parameters (DeepSpeed ZeRO wants
     expert parameters in groups marked ``moe=True`` with ``name`` = their expert group name).
 
-    ``param_names`` stay aligned with ``params``.  Groups without expert parameters are
-    returned as they are.
+    ``param_names`` (and the other per-tensor lists: ``param_tags``, ``param_reasons``) stay
+    aligned with ``params``.  Groups without expert parameters are returned as they are.
     """
     out = []
     for g in groups:
-        names = g.get("param_names")
+        per_tensor = [k for k in PER_TENSOR if isinstance(g.get(k), list) and len(g[k]) == len(g["params"])]
         dense: List[int] = []
         experts: Dict[str, List[int]] = {}
         for i, p in enumerate(g["params"]):
@@ -124,10 +127,10 @@ def split_moe_groups(groups: List[dict]) -> List[dict]:
         for name, idx in [(None, dense)] + sorted(experts.items()):
             if not idx:
                 continue
-            ng = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+            ng = {k: v for k, v in g.items() if k != "params" and k not in per_tensor}
             ng["params"] = [g["params"][i] for i in idx]
-            if names is not None:
-                ng["param_names"] = [names[i] for i in idx]
+            for k in per_tensor:
+                ng[k] = [g[k][i] for i in idx]
             if name is not None:
                 ng.update(moe=True, name=name)
             out.append(ng)

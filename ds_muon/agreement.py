@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .extremes import Extremes
-from .layout import is_flat_shard, local_data as local
+from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
 
@@ -161,10 +161,10 @@ class Agreement:
                 if local(p).numel():
                     missing.append(rows[i])
                 continue
-            if g.is_sparse:
+            lg = g._local_tensor if isinstance(g, _DTENSOR) else g  # local_data, inline
+            if lg.is_sparse:
                 raise ValueError(f"ds_muon: {name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
             has.append(rows[i])
-            lg = local(g)
             if lg.numel():
                 grads.append(lg)
                 checks.append(rows[i])

@@ -47,7 +47,7 @@ class Extremes:
         self._scratch.clear()
 
     def __call__(self, tensors: List[torch.Tensor]) -> torch.Tensor:
-        key = tuple((t.shape, t.dtype, t.device) for t in tensors)
+        key = tuple((t.shape, t.dtype) for t in tensors)  # (a tensor on another device is still copied right)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(tensors)

@@ -267,6 +267,7 @@ def _dtensor_class():
 
 
 _DTENSOR = _dtensor_class()
+_DTENSOR_OR_NONE = _DTENSOR if _DTENSOR is not None else ()  # for isinstance
 
 
 def local_data(t: torch.Tensor) -> torch.Tensor:

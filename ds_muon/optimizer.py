@@ -40,7 +40,7 @@ from .exchange import Exchange
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
-from .integrations.fsdp2 import is_dtensor
+from .integrations.fsdp2 import _DTENSOR
 from .layout import Layout, ParamBinding, build_layout, local_shard
 from .overlap import OverlapSettings, Wave
 from .pieces import WavePieces
@@ -48,6 +48,7 @@ from .tags import restore_tags
 from .planner import STRATEGIES, CostModel
 
 MODES = ("sharded", "duplicated")
+_DTENSOR_OR_NONE = _DTENSOR if _DTENSOR is not None else ()  # for isinstance
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
 NONFINITE = ("raise", "skip")
 
@@ -146,6 +147,7 @@ class Muon(Optimizer):
                                                                      self._land)
         self._bindings: Dict[int, ParamBinding] = {}
         self._binding_sig: Optional[tuple] = None
+        self._state_key: Optional[tuple] = None  # what _init_state last filled (see there)
         self._settled: set = set()  # ids of Muon tensors whose state needs only a momentum buffer (see _init_state)
         self._layouts: List[Layout] = []
         self._resolved: Dict[tuple, tuple] = {}
@@ -154,6 +156,7 @@ class Muon(Optimizer):
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
         self._pieces: "weakref.WeakKeyDictionary[Exchange, WavePieces]" = weakref.WeakKeyDictionary()
+        self._step_token: Optional[object] = None
         self._pieces_members: Optional[tuple] = None  # (id, size) of each param group the pieces were sorted by
 
     # -- overlap settings (the keywords Muon takes), read-only ---------------------
@@ -202,6 +205,7 @@ class Muon(Optimizer):
         brought up to date (see :meth:`_upgrade_groups`)."""
         settings = state.pop("ds_muon", None)
         super().__setstate__(state)
+        self._state_key = None  # a new state dict: _init_state looks at every tensor again
         if settings is not None:
             lost = settings.pop("_not_carried")
             if "overlap" in settings:  # pickled before OverlapSettings
@@ -257,12 +261,14 @@ class Muon(Optimizer):
     def _resolve(self) -> None:
         """Bindings and Layouts for the Muon tensors now in ``param_groups``.
 
-        Cached per set of tensors (and their placements): a stack that swaps
+        Cached per set of tensors (and their shapes; a DTensor's spec: mesh, placements, shape,
+        compared as the same object first, then by value): a stack that swaps
         parameters (accelerate, FSDP2 built after the optimizer) gets new layouts;
         one that narrows ``param_groups`` per call (DeepSpeed) reuses each set's.
         """
-        sig = tuple(
-            (id(p), _placement_sig(p)) for g in self.param_groups if g["use_muon"] for p in g["params"]
+        sig = tuple(  # inline (a call per tensor costs more than the rest): shape, or a DTensor's spec
+            (id(p), p._spec) if isinstance(p, _DTENSOR_OR_NONE) else (id(p), p.shape)
+            for g in self.param_groups if g["use_muon"] for p in g["params"]
         )
         if sig == self._binding_sig:
             return
@@ -288,6 +294,7 @@ class Muon(Optimizer):
         self._bindings, self._layouts = self._resolved[sig]
         self._binding_sig = sig
         self._settled = set()
+        self._state_key = None  # new bindings may need new state keys (AdamW slices)
 
     def _whole_world(self, sig) -> bool:
         """Does every world rank step this optimizer (its step group is the world)?"""
@@ -342,6 +349,7 @@ class Muon(Optimizer):
         self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
+        self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
         return self._stages(loss)
 
     def _stages(self, loss):
@@ -363,7 +371,18 @@ class Muon(Optimizer):
         return loss
 
     def _init_state(self) -> None:
-        """State for every tensor at once, so every rank holds the same keys (DCP needs it)."""
+        """State for every tensor at once, so every rank holds the same keys (DCP needs it).
+
+        Skipped while the state dict (``load_state_dict`` replaces it), its size and the tensors
+        of every group stay those of the last call: nothing can be missing then."""
+        key = (id(self.state), len(self.state),
+               tuple((g["use_muon"], tuple(map(id, g["params"]))) for g in self.param_groups))
+        if key == self._state_key:
+            return
+        self._fill_state()
+        self._state_key = (id(self.state), len(self.state), key[2])
+
+    def _fill_state(self) -> None:
         settled = self._settled  # Muon tensors that need nothing but a momentum buffer (no AdamW slices)
         for g in self.param_groups:
             muon = g["use_muon"]
@@ -537,7 +556,7 @@ class Muon(Optimizer):
                 params = _params_of(j.layout, j.exchange.active)
                 self._deferred.add(list(params), apply, list(params.values()))
             else:
-                apply()
+                apply(self._step_token)
 
     def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True):
         """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov,
@@ -547,7 +566,8 @@ class Muon(Optimizer):
         alone and ``(buffer slice, new value)`` pairs are returned for :meth:`step` to
         commit once the gradients are known to be good.  Returns ``(pieces, commits)``.
         """
-        return self._pieces_of(layout, ex).inputs(self.param_groups, self.state, commit)
+        return self._pieces_of(layout, ex).inputs(self.param_groups, self.state, commit,
+                                                  bound_in=self._step_token if commit else None)
 
     def _pieces_of(self, layout: Layout, ex: Exchange) -> WavePieces:
         """The wave's pieces with their views (:class:`~ds_muon.pieces.WavePieces`), made once per
@@ -604,9 +624,10 @@ class Muon(Optimizer):
         coefficients = pieces.coefficients(self.param_groups)
 
         @torch.no_grad()  # may run later, from a forward pre-hook
-        def apply():
-            """(No reference to the optimizer: a dropped optimizer's deferred updates must not keep it alive.)"""
-            pieces.apply(ex.scatter_finish(pending), coefficients)
+        def apply(bound_in=None):
+            """``bound_in``: the step's token when applied within it (the views were checked this step).
+            (No reference to the optimizer: a dropped optimizer's deferred updates must not keep it alive.)"""
+            pieces.apply(ex.scatter_finish(pending), coefficients, bound_in)
 
         return apply
 
@@ -662,12 +683,6 @@ def _placeholder_like(p: torch.Tensor) -> torch.Tensor:
     same keys (momentum_buffer, exp_avg, exp_avg_sq).
     """
     return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
-
-
-def _placement_sig(p: torch.Tensor):
-    """Shape and (DTensor) placements: placements are hashable values, compared as they are
-    (the step computes this for every tensor)."""
-    return (p.placements, p.shape) if is_dtensor(p) else p.shape
 
 
 def _group_key(group):

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .layout import Layout, ParamBinding, local_data, matrix_shape
+from .layout import _DTENSOR_OR_NONE as _DTENSOR, Layout, ParamBinding, matrix_shape
 from .update import apply_coefficients, apply_result, ns_input
 
 
@@ -54,12 +54,14 @@ class WavePieces:
         self._param_flats: List[torch.Tensor] = []  # flat (the results are)
         self._param_ptrs: Optional[list] = None
         self._inputs: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}  # kept Nesterov inputs
+        self._all_whole = False
+        self._bound_in = None
 
     # -- views, checked every use ----------------------------------------------------------------
     def _bind(self, state) -> None:
         """The views of parameters and momentum buffers, made again when a local tensor moved."""
-        lps = [local_data(p) for p in self.params]
-        lms = [local_data(state[p]["momentum_buffer"]) for p in self.params]
+        lps = _locals(self.params)
+        lms = _locals([state[p]["momentum_buffer"] for p in self.params])
         ptrs = [t.data_ptr() for t in lps] + [t.data_ptr() for t in lms]
         if ptrs == self._ptrs:
             return
@@ -73,8 +75,11 @@ class WavePieces:
         self._keep = lps + lms
         self._ptrs = ptrs
         self._param_ptrs = ptrs[:len(lps)]
+        self._all_whole = all(self._whole)
 
     def _grads(self) -> List[torch.Tensor]:
+        if self._all_whole:
+            return _locals([p.grad for p in self.params])
         out = []
         flats: Dict[int, torch.Tensor] = {}
         for p, b, w, (off, n) in zip(self.params, self.bindings, self._whole, self.spans):
@@ -99,11 +104,13 @@ class WavePieces:
         return kept
 
     # -- the update's two halves -----------------------------------------------------------------
-    def inputs(self, param_groups, state, commit: bool = True):
+    def inputs(self, param_groups, state, commit: bool = True, bound_in=None):
         """This rank's pieces of the wave's NS inputs (weight decay, momentum, Nesterov:
         :func:`~ds_muon.update.ns_input`, one call per param group) as ``{matrix: flat piece}``,
-        and (``commit=False``) the ``(momentum piece, new value)`` pairs to commit later."""
+        and (``commit=False``) the ``(momentum piece, new value)`` pairs to commit later.
+        ``bound_in``: a token of the step, for :meth:`apply`."""
         self._bind(state)
+        self._bound_in = bound_in
         grads = self._grads()
         pieces: Dict[int, torch.Tensor] = {}
         commits = []
@@ -133,15 +140,23 @@ class WavePieces:
         """``(decay, alpha)`` of each kind, read now (a scheduler stepping later changes nothing)."""
         return [apply_coefficients(param_groups[gi], shape, transposed) for _, _, gi, shape, transposed in self.kinds]
 
-    def apply(self, results: Dict[int, torch.Tensor], coefficients: List[tuple]) -> None:
-        """``param = param * decay + alpha * result`` for every piece, one call per kind."""
-        lps = [local_data(p) for p in self.params]
-        if [t.data_ptr() for t in lps] != self._param_ptrs:  # moved since the step (or never bound)
+    def apply(self, results: Dict[int, torch.Tensor], coefficients: List[tuple], bound_in=None) -> None:
+        """``param = param * decay + alpha * result`` for every piece, one call per kind.
+        ``bound_in``: the token the step passed :meth:`inputs` (its views need no second check)."""
+        if bound_in is not None and bound_in == self._bound_in:
+            pass  # the step's own apply: the views were checked by its inputs
+        elif [t.data_ptr() for t in _locals(self.params)] != self._param_ptrs:  # moved since (or never bound)
+            lps = _locals(self.params)
             self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
             self._param_ptrs = [t.data_ptr() for t in lps]
             self._ptrs = None  # the inputs' views are made again at their next use
         for (a, z, _, _, _), (decay, alpha) in zip(self.kinds, coefficients):
             apply_result(self._param_flats[a:z], [results[i] for i in self.idx[a:z]], decay, alpha)
+
+
+def _locals(ts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """:func:`~ds_muon.layout.local_data` of each (inline: a call per tensor costs more)."""
+    return [t._local_tensor if isinstance(t, _DTENSOR) else t for t in ts]
 
 
 def _cut(b: ParamBinding, t: torch.Tensor, off: int, n: int) -> torch.Tensor:

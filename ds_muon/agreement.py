@@ -150,8 +150,9 @@ class Agreement:
         rank's :func:`settings_of`.  ``early`` (the backward dispatch, or None) answers
         ``stale(minmax)`` locally; when any rank finds it stale, every rank calls its ``redo()``.
         """
-        rows, nrows, names = self._rows_for(items, name, group, world)
-        replicas = self._replicas_for(items, world)
+        key = tuple(id(p) for _, _, p in items)
+        rows, nrows, names = self._rows_for(items, name, group, world, key)
+        replicas = self._replicas_for(items, world, key)
         has, missing = [], []  # rows with a gradient; rows without one (but with local elements)
         grads, checks, hashed, ids = [], [], [], []  # non-empty local gradients: their rows, replica or not
         for i, (gi, pi, p) in enumerate(items):
@@ -211,16 +212,16 @@ class Agreement:
         return Verdict({id(p) for r, (_, _, p) in zip(rows, items) if codes[r] & ACTIVE},
                        [names[k] for k, c in enumerate(codes) if c & NONFINITE_BIT])
 
-    def _replicas_for(self, items, world: int) -> List[bool]:
+    def _replicas_for(self, items, world: int, ids: tuple) -> List[bool]:
         """Which of ``items`` every rank holds whole (their gradients must agree), by row of
         ``items``; worked out once per set of tensors, not every step."""
-        key = (world,) + tuple(id(p) for _, _, p in items)
+        key = (world, ids)
         cached = self._replicas.get(key)
         if cached is None:
             cached = self._replicas[key] = [world > 1 and _is_replica(p) for _, _, p in items]
         return cached
 
-    def _rows_for(self, items, name, group, world) -> Tuple[List[int], int, List[str]]:
+    def _rows_for(self, items, name, group, world, key: tuple) -> Tuple[List[int], int, List[str]]:
         """Where each tensor's flags go in the one all_reduce of :meth:`check`.
 
         Tensors without a :func:`~ds_muon.domain` tag (or whose domain is the whole
@@ -229,9 +230,9 @@ class Agreement:
         so each domain gets its own block of rows, written only by its members: the
         sums then count agreement within the domain, and every rank still sees every
         problem (and raises or skips alike).  The block layout is agreed once per set
-        of tensors (one all_gather_object); returns (row of each item, rows, row names).
+        of tensors (``key``: their ids; one all_gather_object); returns (row of each item,
+        rows, row names).
         """
-        key = tuple(id(p) for _, _, p in items)
         cached = self._rows.get(key)
         if cached is not None:
             return cached

@@ -31,6 +31,7 @@ class _Chunk:
         self.data = scratch[:total]
         self.views = [v.view(s) for v, s in zip(self.data.split(numels), shapes)]
         self.lengths = torch.tensor(numels, dtype=torch.int64, device=scratch.device)
+        self.everything = False  # all the tensors, in order (set by the plan)
 
 
 class Extremes:
@@ -58,7 +59,7 @@ class Extremes:
         dtype, chunks, alone = plan
         out = torch.empty((len(tensors), 2), dtype=dtype, device=tensors[0].device if tensors else "cpu")
         for chunk in chunks:
-            torch._foreach_copy_(chunk.views, [tensors[k] for k in chunk.positions])
+            torch._foreach_copy_(chunk.views, tensors if chunk.everything else [tensors[k] for k in chunk.positions])
             out[chunk.where, 0] = torch.segment_reduce(chunk.data, "min", lengths=chunk.lengths).to(dtype)
             out[chunk.where, 1] = torch.segment_reduce(chunk.data, "max", lengths=chunk.lengths).to(dtype)
         for k in alone:
@@ -90,4 +91,6 @@ class Extremes:
                         chunks.append(_Chunk(scratch, ks[start:j], [tensors[q].shape for q in ks[start:j]]))
                     start, used = j, 0
                 used += n
+        if len(chunks) == 1 and chunks[0].positions == list(range(len(tensors))):
+            chunks[0].everything = True
         return dtype, chunks, alone

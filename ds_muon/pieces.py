@@ -56,6 +56,7 @@ class WavePieces:
         self._inputs: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}  # kept Nesterov inputs
         self._all_whole = False
         self._bound_in = None
+        self._flat_results: Optional[bool] = None  # are all results flat (no column blocks)?
 
     # -- views, checked every use ----------------------------------------------------------------
     def _bind(self, state) -> None:
@@ -150,8 +151,11 @@ class WavePieces:
             self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
             self._param_ptrs = [t.data_ptr() for t in lps]
             self._ptrs = None  # the inputs' views are made again at their next use
+        ordered = [results[i] for i in self.idx]
+        if self._flat_results is None:  # the exchange hands out the same kinds of pieces every step
+            self._flat_results = all(r.dim() == 1 for r in ordered)
         for (a, z, _, _, _), (decay, alpha) in zip(self.kinds, coefficients):
-            apply_result(self._param_flats[a:z], [results[i] for i in self.idx[a:z]], decay, alpha)
+            apply_result(self._param_flats[a:z], ordered[a:z], decay, alpha, self._flat_results)
 
 
 def _locals(ts: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -61,11 +61,15 @@ def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: b
 
 
 def apply_result(params: List[torch.Tensor], results: List[torch.Tensor], decay: Optional[float],
-                 alpha: float) -> None:
+                 alpha: float, all_flat: bool = False) -> None:
     """``param = param * decay + alpha * result`` in place, for pieces (flat) that share
-    ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation."""
+    ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation.  A result may be a
+    ``[rows, length]`` piece (a column block), flattened here unless the caller says
+    ``all_flat``."""
     if not params:
         return
     if decay is not None:
         torch._foreach_mul_(params, decay)
-    torch._foreach_add_(params, [r if r.dim() == 1 else r.reshape(-1) for r in results], alpha=alpha)
+    if not all_flat:
+        results = [r if r.dim() == 1 else r.reshape(-1) for r in results]
+    torch._foreach_add_(params, results, alpha=alpha)

@@ -156,7 +156,8 @@ class Exchange:
         cuts = self._buffer("cuts", self._compile_cuts)
         kept = self._buffer("results", lambda: self._result_buffers(results))
         for key, r in results.items():  # one copy per stack: the pieces below are views made once
-            kept[key].copy_(r)
+            if kept[key].data_ptr() != r.data_ptr():
+                kept[key].copy_(r)
         pieces = self._buffer("result_pieces", lambda: {key: _pieces(kept[key], cut) for key, cut in cuts.items()})
         out = dict(self._buffer("own_results", lambda: {i: pieces[key][k] for i, (key, k) in self._own_cuts.items()}))
         if not self.scatter_traffic:
@@ -188,7 +189,7 @@ class Exchange:
 
     def buffer_bytes(self) -> int:
         """Bytes held in buffers kept across steps (for memory reports and tests): the stacks and
-        the send/receive buffers (and the results' own where they cannot reuse the stacks); the views
+        the send/receive buffers (and the results' own where wider than the stacks); the views
         and cut lists kept beside them alias those bytes."""
         out, seen = 0, set()
         for buf in self._buffers.values():
@@ -250,14 +251,21 @@ class Exchange:
         return cuts
 
     def _result_buffers(self, results: Dict[Hashable, torch.Tensor]) -> Dict[Hashable, torch.Tensor]:
-        """Where each stack's NS result is kept for the scatter and the apply: the gather's stack
-        itself when it has the result's dtype (NS is done reading it), else a buffer of its own."""
+        """Where each stack's NS result is kept for the scatter and the apply: in the gather's stack
+        (NS is done reading it), reinterpreted when the result's dtype is narrower (bf16 results in
+        an fp32 stack), so keeping them costs no memory; a buffer of its own only when it is wider."""
         stacks = self._buffers.get("stacks", {})
         out = {}
         for key, r in results.items():
             s = stacks.get(key)
-            ok = s is not None and s.dtype == r.dtype and s.shape == r.shape and s.is_contiguous()
-            out[key] = s if ok else torch.empty_like(r, memory_format=torch.contiguous_format)
+            nbytes = r.numel() * r.element_size()
+            reuse = s is not None and s.is_contiguous() and nbytes <= s.numel() * s.element_size()
+            if reuse and r.untyped_storage().data_ptr() == s.untyped_storage().data_ptr():
+                reuse = s.dtype == r.dtype and s.shape == r.shape and r.data_ptr() == s.data_ptr()  # NS in place
+            if reuse:
+                out[key] = s.view(-1).view(torch.uint8)[:nbytes].view(r.dtype).view(r.shape)
+            else:
+                out[key] = torch.empty_like(r, memory_format=torch.contiguous_format)
         return out
 
     def stacks_numel(self, key: Hashable) -> int:

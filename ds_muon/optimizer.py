@@ -206,6 +206,8 @@ class Muon(Optimizer):
         settings = state.pop("ds_muon", None)
         super().__setstate__(state)
         self._state_key = None  # a new state dict: _init_state looks at every tensor again
+        if getattr(self, "_pieces", None) is not None:
+            self._pieces.clear()  # their views would keep the replaced momentum buffers alive
         if settings is not None:
             lost = settings.pop("_not_carried")
             if "overlap" in settings:  # pickled before OverlapSettings

@@ -143,7 +143,8 @@ class Agreement:
             group = self._mesh[1]
         return group, dist.get_world_size(group)
 
-    def check(self, items, name: Callable[[int, int], str], group, world: int, settings: Optional[Dict[str, Any]], early=None) -> Verdict:
+    def check(self, items, name: Callable[[int, int], str], group, world: int, settings: Optional[Dict[str, Any]],
+              early=None) -> Verdict:
         """Agree on ``items`` (``(group index, tensor index, tensor)``) with every rank.
 
         ``name(gi, pi)`` names a tensor for errors; ``settings`` (when ``world > 1``) are this

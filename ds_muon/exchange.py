@@ -286,7 +286,8 @@ class Exchange:
         flat.  Which pairs differ in rank is worked out at the first use: sources keep their ranks."""
         if not dst:
             return
-        at = self._buffer(name + "_reshape", lambda: [k for k, (d, s) in enumerate(zip(dst, src)) if d.dim() != s.dim()])
+        at = self._buffer(name + "_reshape",
+                          lambda: [k for k, (d, s) in enumerate(zip(dst, src)) if d.dim() != s.dim()])
         if at:
             src = list(src)
             for k in at:

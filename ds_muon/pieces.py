@@ -34,7 +34,8 @@ class WavePieces:
             piece = slot.piece
             if piece is None or piece.numel == 0:
                 continue
-            entries.append((group_index[id(b.param)], slot.shape, slot.transposed, i, b, slot.local_offset, piece.numel))
+            entries.append((group_index[id(b.param)], slot.shape, slot.transposed, i, b, slot.local_offset,
+                            piece.numel))
         entries.sort(key=lambda e: e[:3])  # stable: layout order within a kind
         self.idx = [e[3] for e in entries]
         self.bindings: List[ParamBinding] = [e[4] for e in entries]
@@ -66,7 +67,8 @@ class WavePieces:
         ptrs = [t.data_ptr() for t in lps] + [t.data_ptr() for t in lms]
         if ptrs == self._ptrs:
             return
-        self._whole = [_whole(b, p, lp, off, n) for p, lp, b, (off, n) in zip(self.params, lps, self.bindings, self.spans)]
+        self._whole = [_whole(b, p, lp, off, n)
+                       for p, lp, b, (off, n) in zip(self.params, lps, self.bindings, self.spans)]
         self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
         self._param_pieces = [lp if w else f for lp, w, f in zip(lps, self._whole, self._param_flats)]
         self._buf_flats = [_cut(b, state[p]["momentum_buffer"], off, n)
@@ -85,7 +87,7 @@ class WavePieces:
         flats: Dict[int, torch.Tensor] = {}
         for p, b, w, (off, n) in zip(self.params, self.bindings, self._whole, self.spans):
             if w:
-                out.append(local_data(p.grad))
+                out.append(_locals([p.grad])[0])
             else:
                 flat = flats.get(id(p))
                 if flat is None:

@@ -15,7 +15,8 @@ from .scaling import get_muon_scale_factor
 
 
 def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[torch.Tensor], group: dict,
-             commit: bool = True, out: Optional[List[torch.Tensor]] = None) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+             commit: bool = True, out: Optional[List[torch.Tensor]] = None
+             ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """What NS orthogonalizes, from pieces of gradients, momentum buffers and parameters
     (lists of flat tensors of equal sizes, all of one param group ``group``): L2 weight decay
     (``weight_decay_mode="l2"``), the momentum lerp, then Nesterov.

@@ -77,6 +77,43 @@ def test_momentum_stays_in_the_state_tensor():
         assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[q]["momentum_buffer"])
 
 
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 6, 3, bias=False).to(memory_format=torch.channels_last)  # a permuted flat view
+        self.fc = nn.Linear(6 * 4 * 4, 8, bias=False)
+        self.out = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.out(self.fc(self.conv(x).flatten(1))).square().mean()
+
+
+def _conv_run(whole: bool, monkeypatch):
+    """Params after 3 steps; ``whole=False`` cuts every piece from the binding's flat view
+    (the generic path), as a reference for tensors that stand for their own piece."""
+    from ds_muon import pieces
+
+    with monkeypatch.context() as m:
+        if not whole:
+            m.setattr(pieces, "_whole", lambda *a: False)
+        model = _ConvNet()
+        opt = ds_muon.Muon([p for p in model.parameters()], lr=0.02, weight_decay=0.1, weight_decay_mode="l2")
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            model(torch.randn(2, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def test_whole_tensors_and_cut_pieces_update_alike(monkeypatch):
+    """A wave mixing a channels_last weight (cut from its memory-order flat view) with weights
+    that are their own piece gives what cutting every piece gives, bitwise."""
+    for a, b in zip(_conv_run(True, monkeypatch), _conv_run(False, monkeypatch)):
+        assert torch.equal(a, b)
+
+
 def _reference(ts):
     return torch.stack([torch.stack(torch.aminmax(t)).to(torch.promote_types(torch.float32, t.dtype)) for t in ts])
 

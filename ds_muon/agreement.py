@@ -19,13 +19,15 @@ Cauchy–Schwarz), in exact integer arithmetic for up to 2¹⁵ ranks.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .layout import is_flat_shard
+from .extremes import Extremes
+from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
 
@@ -120,8 +122,10 @@ class Agreement:
         self._rows: Dict[tuple, tuple] = {}  # per set of tensors: rows of the all_reduce
         self._replicas: Dict[tuple, List[bool]] = {}  # per set of tensors: which are held whole everywhere
         self._mesh: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
+        self._extremes = Extremes()  # each gradient's (min, max), many at once
 
     def clear(self) -> None:
+        self._extremes.clear()
         self._rows.clear()
         self._replicas.clear()
         self._mesh = None
@@ -139,82 +143,86 @@ class Agreement:
             group = self._mesh[1]
         return group, dist.get_world_size(group)
 
-    def check(self, items, name: Callable[[int, int], str], flat: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              group, world: int, settings: Optional[Dict[str, Any]], early=None) -> Verdict:
+    def check(self, items, name: Callable[[int, int], str], group, world: int, settings: Optional[Dict[str, Any]],
+              early=None) -> Verdict:
         """Agree on ``items`` (``(group index, tensor index, tensor)``) with every rank.
 
-        ``name(gi, pi)`` names a tensor for errors; ``flat(p, t)`` is this rank's flat
-        local data of ``p``'s tensor ``t``; ``settings`` (when ``world > 1``) are this
+        ``name(gi, pi)`` names a tensor for errors; ``settings`` (when ``world > 1``) are this
         rank's :func:`settings_of`.  ``early`` (the backward dispatch, or None) answers
         ``stale(minmax)`` locally; when any rank finds it stale, every rank calls its ``redo()``.
         """
-        rows, nrows, names = self._rows_for(items, name, group, world)
-        replicas = self._replicas_for(items, world)
-        flags = [[0] * COLUMNS for _ in range(nrows)]
-        checks = []  # (row, (min, max), is a replica)
-        minmax = {}
+        key = tuple(id(p) for _, _, p in items)
+        rows, nrows, names = self._rows_for(items, name, group, world, key)
+        replicas = self._replicas_for(items, world, key)
+        has, missing = [], []  # rows with a gradient; rows without one (but with local elements)
+        grads, checks, hashed, ids = [], [], [], []  # non-empty local gradients: their rows, replica or not
         for i, (gi, pi, p) in enumerate(items):
-            k = rows[i]
             g = p.grad
             if g is None:
                 # FSDP1 (use_orig_params=True) gives no grad to a parameter with no local elements
-                flags[k][NO_GRAD] = int(flat(p, p).numel() > 0)
+                if local(p).numel():
+                    missing.append(rows[i])
                 continue
-            if g.is_sparse:
+            lg = g._local_tensor if isinstance(g, _DTENSOR) else g  # local_data, inline
+            if lg.is_sparse:
                 raise ValueError(f"ds_muon: {name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
-            flags[k][HAS_GRAD] = 1
-            lg = flat(p, g)
+            has.append(rows[i])
             if lg.numel():
-                # min and max in one pass: NaN and ±inf both show up in them
-                minmax[id(p)] = torch.stack(torch.aminmax(lg))
-                checks.append((k, minmax[id(p)], replicas[i]))
-        # one more row: "a wave dispatched from backward read something that changed since"
-        flags.append([0] * COLUMNS)
-        stale = early is not None and early.stale(minmax)  # a bool, or a flag still on the device
-        if world > 1:
-            flags.append(hashed_row(settings_hash(settings)))  # and one: every rank's settings, hashed
-        device = _comm_device(group, _first_device(checks)) if world > 1 else _first_device(checks)
-        table = _on_device(flags, checks, stale, nrows, device)
+                grads.append(lg)
+                checks.append(rows[i])
+                hashed.append(replicas[i])
+                ids.append(id(p))
+        # min and max of every gradient, in a few calls: NaN and ±inf both show up in them
+        mm = self._extremes(grads) if grads else None
+        # two more rows: "a wave dispatched from backward read something that changed since" (a bool,
+        # or a flag still on the device), and every rank's settings, hashed
+        stale = early is not None and early.stale(_RowsById(ids, mm))
+        extra = [[0] * COLUMNS, hashed_row(settings_hash(settings)) if world > 1 else [0] * COLUMNS]
+        grads_on = mm.device if mm is not None else torch.device("cpu")
+        device = _comm_device(group, grads_on) if world > 1 else grads_on
+        table = _on_device(nrows, has, missing, extra, checks, mm, hashed, stale, device)
         if world > 1:
             dist.all_reduce(table, group=group)
-        flags = table.tolist()  # the step's one device-to-host read
-        if world > 1:
-            if hashes_differ(flags[nrows + 1]):
-                everyone = [None] * world
-                dist.all_gather_object(everyone, settings, group=group)
-                raise ValueError(
-                    f"ds_muon: optimizer settings differ between ranks: {first_difference(everyone)}; "
-                    "every rank must build Muon with the same arguments and param groups, and change them alike")
-        if flags[nrows][0]:  # on every rank alike: wait out the early gathers, redo them at step()
+        codes = _summary(table, nrows).tolist()  # the step's one device-to-host read
+        if codes[nrows + 1] & DRIFT:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, settings, group=group)
+            raise ValueError(
+                f"ds_muon: optimizer settings differ between ranks: {first_difference(everyone)}; "
+                "every rank must build Muon with the same arguments and param groups, and change them alike")
+        if codes[nrows] & STALE:  # on every rank alike: wait out the early gathers, redo them at step()
             early.redo()
-        for k in range(nrows):
-            if flags[k][0] and flags[k][1]:
+        problems, codes = codes[nrows + 2], codes[:nrows]
+        if problems:
+            conflict = [k for k, c in enumerate(codes) if c & CONFLICT]
+            if conflict:
+                k = conflict[0]
+                with_grad, without = table[k, HAS_GRAD].item(), table[k, NO_GRAD].item()  # raising: read again
                 raise RuntimeError(
-                    f"ds_muon: {names[k]} has a gradient on {flags[k][0]} rank(s) and none on "
-                    f"{flags[k][1]}; every rank must produce the same set of gradients (unused parameters "
+                    f"ds_muon: {names[k]} has a gradient on {with_grad} rank(s) and none on "
+                    f"{without}; every rank must produce the same set of gradients (unused parameters "
                     "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
                 )
-        drift = [k for k in range(nrows) if hashes_differ(flags[k]) and not flags[k][NONFINITE]]
-        if drift:
+            drift = [k for k, c in enumerate(codes) if c & DRIFT]
             raise RuntimeError(
                 f"ds_muon: {names[drift[0]]} (and {len(drift) - 1} more) is replicated (every rank holds all of it) "
                 "but its gradient differs between ranks, so the ranks would train different models: gradients are "
                 "not being averaged. Wrap the model in DDP (or FSDP / DeepSpeed) before training; with "
                 "transformers' Trainer do not call trainer.evaluate() before trainer.train() (it then never wraps "
                 "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
-        return Verdict({id(p) for k, (_, _, p) in enumerate(items) if flags[rows[k]][0]},
-                       [names[k] for k in range(nrows) if flags[k][NONFINITE]])
+        return Verdict({id(p) for r, (_, _, p) in zip(rows, items) if codes[r] & ACTIVE},
+                       [names[k] for k, c in enumerate(codes) if c & NONFINITE_BIT])
 
-    def _replicas_for(self, items, world: int) -> List[bool]:
+    def _replicas_for(self, items, world: int, ids: tuple) -> List[bool]:
         """Which of ``items`` every rank holds whole (their gradients must agree), by row of
         ``items``; worked out once per set of tensors, not every step."""
-        key = (world,) + tuple(id(p) for _, _, p in items)
+        key = (world, ids)
         cached = self._replicas.get(key)
         if cached is None:
             cached = self._replicas[key] = [world > 1 and _is_replica(p) for _, _, p in items]
         return cached
 
-    def _rows_for(self, items, name, group, world) -> Tuple[List[int], int, List[str]]:
+    def _rows_for(self, items, name, group, world, key: tuple) -> Tuple[List[int], int, List[str]]:
         """Where each tensor's flags go in the one all_reduce of :meth:`check`.
 
         Tensors without a :func:`~ds_muon.domain` tag (or whose domain is the whole
@@ -223,9 +231,9 @@ class Agreement:
         so each domain gets its own block of rows, written only by its members: the
         sums then count agreement within the domain, and every rank still sees every
         problem (and raises or skips alike).  The block layout is agreed once per set
-        of tensors (one all_gather_object); returns (row of each item, rows, row names).
+        of tensors (``key``: their ids; one all_gather_object); returns (row of each item,
+        rows, row names).
         """
-        key = tuple(id(p) for _, _, p in items)
         cached = self._rows.get(key)
         if cached is not None:
             return cached
@@ -318,22 +326,31 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
         "rank of the mesh created with torch.distributed.new_group)")
 
 
-def _on_device(flags: List[List[int]], checks, stale, nrows: int, device: torch.device) -> torch.Tensor:
-    """The agreement table on ``device``: the flags known on the host, with the finite flags,
-    replica fingerprints and the stale flag written in on the device, so that reading the
-    (reduced) table is the step's only wait for the device."""
-    table = _host_to(device, flags)
+def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[int]], checks: List[int],
+               mm: Optional[torch.Tensor], hashed: List[bool], stale, device: torch.device) -> torch.Tensor:
+    """The agreement table on ``device``: ``nrows`` rows of tensors (``has``: rows with a gradient,
+    ``missing``: without one) and the ``extra`` rows, with the finite flags, replica fingerprints
+    and the stale flag written in on the device, so that reading the (reduced) table is the
+    step's only wait for the device.  ``mm[j]`` is the (min, max) of row ``checks[j]``'s
+    gradient, fingerprinted when ``hashed[j]``."""
+    table = torch.cat([torch.zeros((nrows, COLUMNS), dtype=torch.int64), torch.tensor(extra, dtype=torch.int64)])
+    if has:
+        table[torch.tensor(has, dtype=torch.int64), HAS_GRAD] = 1
+    if missing:
+        table[torch.tensor(missing, dtype=torch.int64), NO_GRAD] = 1
+    table = table.to(device, non_blocking=True)
     if checks:
-        mm = torch.stack([c for _, c, _ in checks]).to(device)
-        row = _host_to(device, [k for k, _, _ in checks])
+        mm = mm.to(device)
+        row = _host_to(device, checks)
         table[row, NONFINITE] = (~torch.isfinite(mm).all(dim=1)).to(torch.int64)
-        replica = [j for j, (_, _, rep) in enumerate(checks) if rep]
+        replica = [j for j, rep in enumerate(hashed) if rep]
         if replica:  # its gradient must be the same on every rank
-            pick = _host_to(device, replica)
-            h = minmax_hash(mm[pick])
-            table[row[pick], N_HASHED] = 1
-            table[row[pick], HASH] = h
-            table[row[pick], HASH_SQ] = h * h
+            pick = _host_to(device, replica) if len(replica) < len(hashed) else None
+            h = minmax_hash(mm if pick is None else mm[pick])
+            at = row if pick is None else row[pick]
+            table[at, N_HASHED] = 1
+            table[at, HASH] = h
+            table[at, HASH_SQ] = h * h
     if torch.is_tensor(stale):
         table[nrows, 0] = stale.to(device=device, dtype=torch.int64)
     else:
@@ -341,15 +358,55 @@ def _on_device(flags: List[List[int]], checks, stale, nrows: int, device: torch.
     return table
 
 
+# bits of each row's code in the summary the host reads (see _summary)
+ACTIVE, CONFLICT, DRIFT, NONFINITE_BIT, STALE = 1, 2, 4, 8, 1
+
+
+def _summary(table: torch.Tensor, nrows: int) -> torch.Tensor:
+    """The reduced table as one code per row, computed on its device: ACTIVE (a gradient on some
+    rank), CONFLICT (a gradient on some ranks, none on others), DRIFT (the ranks that hashed the
+    row hashed it differently; not for non-finite rows), NONFINITE_BIT.  The stale row reads as
+    its flag, the settings row as DRIFT when the settings differ; one more code, last, is nonzero
+    when any row has CONFLICT or DRIFT."""
+    n, s, q = table[:, N_HASHED], table[:, HASH], table[:, HASH_SQ]
+    differ = (n > 1) & (n * q != s * s)
+    has, nonfinite = table[:, HAS_GRAD] > 0, table[:, NONFINITE] > 0
+    codes = (has.long() | ((has & (table[:, NO_GRAD] > 0)).long() << 1) | ((differ & ~nonfinite).long() << 2)
+             | (nonfinite.long() << 3))
+    codes[nrows] = (table[nrows, 0] != 0).long()
+    problems = (codes[:nrows] & (CONFLICT | DRIFT)).amax(dim=0, keepdim=True) if nrows else codes[:1] * 0
+    return torch.cat([codes, problems])
+
+
+class _RowsById(Mapping):
+    """Each gradient's (min, max) by id of its tensor, read from the rows of ``mm`` on demand
+    (the backward dispatch's stale check reads a few)."""
+
+    def __init__(self, ids: List[int], mm: Optional[torch.Tensor]):
+        self._ids, self._mm, self._at = ids, mm, None
+
+    def _index(self) -> Dict[int, int]:
+        if self._at is None:
+            self._at = {pid: j for j, pid in enumerate(self._ids)}
+        return self._at
+
+    def __getitem__(self, pid: int) -> torch.Tensor:
+        return self._mm[self._index()[pid]]
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, pid) -> bool:
+        return pid in self._index()
+
+
 def _host_to(device: torch.device, values) -> torch.Tensor:
     """int64 values from the host, copied without waiting for work already queued on the device
     (a blocking host-to-device copy synchronizes the stream)."""
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-
-def _first_device(checks) -> torch.device:
-    """Where the gradients are (the first non-empty one's device)."""
-    return checks[0][1].device if checks else torch.device("cpu")
 
 
 def _comm_device(group, grads_on: torch.device) -> torch.device:

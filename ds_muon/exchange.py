@@ -125,7 +125,7 @@ class Exchange:
             for key, idx in self.stacks.items()})
         if self.self_gather:
             homes = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
-            _copy_all(homes, [local[seg.matrix] for seg in self.self_gather])
+            self._copy_all("self_views", homes, [local[seg.matrix] for seg in self.self_gather])
         if not self.gather_traffic:
             return stacks, None, None
         send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
@@ -144,7 +144,7 @@ class Exchange:
         homes, parts = self._buffer("recv_g_views", lambda: (
             [self._flat_home_view(stacks, seg) for lst in self.recv_g for seg in lst],
             _slices(recv, [seg.piece.numel for lst in self.recv_g for seg in lst])))
-        _copy_all(homes, parts)
+        self._copy_all("recv_g_views", homes, parts)
         return stacks
 
     # -- scatter --------------------------------------------------------------
@@ -154,12 +154,16 @@ class Exchange:
         this rank holds a piece of, that piece of the result: flat, or ``[rows, length]`` when
         it is not contiguous in the stack."""
         cuts = self._buffer("cuts", self._compile_cuts)
-        pieces = {key: _pieces(results[key], cut) for key, cut in cuts.items()}
-        out = {i: pieces[key][k] for i, (key, k) in self._own_cuts.items()}
+        kept = self._buffer("results", lambda: self._result_buffers(results))
+        for key, r in results.items():  # one copy per stack: the pieces below are views made once
+            if kept[key].data_ptr() != r.data_ptr():
+                kept[key].copy_(r)
+        pieces = self._buffer("result_pieces", lambda: {key: _pieces(kept[key], cut) for key, cut in cuts.items()})
+        out = dict(self._buffer("own_results", lambda: {i: pieces[key][k] for i, (key, k) in self._own_cuts.items()}))
         if not self.scatter_traffic:
             return out, None, None
         send = self._pack("send_s", self.send_s, self.split_send_s, self.scatter_dtype,
-                          [pieces[key][k] for key, k in self._send_cuts])
+                          self._buffer("send_s_sources", lambda: [pieces[key][k] for key, k in self._send_cuts]))
         recv = self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
                                                           device=self.device))
         work = dist.all_to_all_single(recv, send, self.split_recv_s, self.split_send_s, group=self.group,
@@ -185,11 +189,13 @@ class Exchange:
 
     def buffer_bytes(self) -> int:
         """Bytes held in buffers kept across steps (for memory reports and tests): the stacks and
-        the send/receive buffers; the views and cut lists kept beside them alias those bytes."""
-        out = 0
+        the send/receive buffers (and the results' own where wider than the stacks); the views
+        and cut lists kept beside them alias those bytes."""
+        out, seen = 0, set()
         for buf in self._buffers.values():
             for t in (buf.values() if isinstance(buf, dict) else [buf]):
-                if torch.is_tensor(t) and t._base is None:
+                if torch.is_tensor(t) and t._base is None and id(t) not in seen:  # results may reuse the stacks
+                    seen.add(id(t))
                     out += t.numel() * t.element_size()
         return out
 
@@ -244,6 +250,24 @@ class Exchange:
         self._own_cuts, self._send_cuts = where, sends
         return cuts
 
+    def _result_buffers(self, results: Dict[Hashable, torch.Tensor]) -> Dict[Hashable, torch.Tensor]:
+        """Where each stack's NS result is kept for the scatter and the apply: in the gather's stack
+        (NS is done reading it), reinterpreted when the result's dtype is narrower (bf16 results in
+        an fp32 stack), so keeping them costs no memory; a buffer of its own only when it is wider."""
+        stacks = self._buffers.get("stacks", {})
+        out = {}
+        for key, r in results.items():
+            s = stacks.get(key)
+            nbytes = r.numel() * r.element_size()
+            reuse = s is not None and s.is_contiguous() and nbytes <= s.numel() * s.element_size()
+            if reuse and r.untyped_storage().data_ptr() == s.untyped_storage().data_ptr():
+                reuse = s.dtype == r.dtype and s.shape == r.shape and r.data_ptr() == s.data_ptr()  # NS in place
+            if reuse:
+                out[key] = s.view(-1).view(torch.uint8)[:nbytes].view(r.dtype).view(r.shape)
+            else:
+                out[key] = torch.empty_like(r, memory_format=torch.contiguous_format)
+        return out
+
     def stacks_numel(self, key: Hashable) -> int:
         idx = self.stacks[key]
         return len(idx) * self.layout.matrices[idx[0]].numel
@@ -256,11 +280,25 @@ class Exchange:
             buf = self._buffers[name] = make()
         return buf
 
+    def _copy_all(self, name: str, dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+        """``dst[k].copy_(src[k])`` for all k in one call (``dst``: the kept views ``name``); a 2-D
+        (strided) destination reads its flat source as ``[rows, length]`` and a 2-D source lands
+        flat.  Which pairs differ in rank is worked out at the first use: sources keep their ranks."""
+        if not dst:
+            return
+        at = self._buffer(name + "_reshape",
+                          lambda: [k for k, (d, s) in enumerate(zip(dst, src)) if d.dim() != s.dim()])
+        if at:
+            src = list(src)
+            for k in at:
+                src[k] = src[k].reshape(dst[k].shape)
+        torch._foreach_copy_(dst, src)
+
     def _pack(self, name, segs, splits, dtype, sources: List[torch.Tensor]) -> torch.Tensor:
         """``sources`` (one per segment of ``segs``, in order) copied into the kept send buffer."""
         buf = self._buffer(name, lambda: torch.empty(sum(splits), dtype=dtype, device=self.device))
         views = self._buffer(name + "_views", lambda: _slices(buf, [seg.piece.numel for lst in segs for seg in lst]))
-        _copy_all(views, sources)
+        self._copy_all(name, views, sources)
         return buf
 
 
@@ -280,12 +318,3 @@ def _pieces(stack: torch.Tensor, cut: tuple) -> List[torch.Tensor]:
     for k, (j, piece) in strided.items():
         out[k] = piece.view_in(stack[j].view(-1))
     return out
-
-
-def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    """``dst[k].copy_(src[k])`` for all k in one call; a 2-D (strided) destination reads its
-    flat source as ``[rows, length]``."""
-    if not dst:
-        return
-    src = [s if d.dim() == s.dim() else s.reshape(d.shape) for d, s in zip(dst, src)]
-    torch._foreach_copy_(dst, src)

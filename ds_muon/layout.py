@@ -256,3 +256,21 @@ def is_flat_shard(p: torch.Tensor) -> bool:
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (no collective); any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_class()
+_DTENSOR_OR_NONE = _DTENSOR if _DTENSOR is not None else ()  # for isinstance
+
+
+def local_data(t: torch.Tensor) -> torch.Tensor:
+    """:func:`local_shard` for code under ``torch.no_grad()`` (the step): a DTensor's local tensor
+    as it holds it (what ``to_local()`` returns there), read without the call's overhead."""
+    return t._local_tensor if _DTENSOR is not None and isinstance(t, _DTENSOR) else t

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -39,14 +40,16 @@ from .exchange import Exchange
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
+from .integrations.fsdp2 import _DTENSOR
 from .layout import Layout, ParamBinding, build_layout, local_shard
 from .overlap import OverlapSettings, Wave
+from .pieces import WavePieces
 from .summary import Summary, log_first_step, summarize
 from .tags import restore_tags
 from .planner import STRATEGIES, CostModel
-from .update import apply_coefficients, apply_result, ns_input
 
 MODES = ("sharded", "duplicated")
+_DTENSOR_OR_NONE = _DTENSOR if _DTENSOR is not None else ()  # for isinstance
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
 NONFINITE = ("raise", "skip")
 
@@ -150,13 +153,17 @@ class Muon(Optimizer):
                                                                      self._land)
         self._bindings: Dict[int, ParamBinding] = {}
         self._binding_sig: Optional[tuple] = None
+        self._state_key: Optional[tuple] = None  # what _init_state last filled (see there)
+        self._settled: set = set()  # ids of Muon tensors whose state needs only a momentum buffer (see _init_state)
         self._layouts: List[Layout] = []
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges = ExchangeCache()
         self._exchange_groups = ExchangeGroups()  # the exchange's own process groups, kept across re-sharding
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
-        self._flats: Optional[_Flats] = None  # during a step: each tensor's flat local data
+        self._pieces: "weakref.WeakKeyDictionary[Exchange, WavePieces]" = weakref.WeakKeyDictionary()
+        self._step_token: Optional[object] = None
+        self._pieces_members: Optional[tuple] = None  # (id, size) of each param group the pieces were sorted by
         self._summary_logged = False  # the first step's log line (see summary.log_first_step)
 
     # -- overlap settings (the keywords Muon takes), read-only ---------------------
@@ -205,6 +212,9 @@ class Muon(Optimizer):
         brought up to date (see :meth:`_upgrade_groups`)."""
         settings = state.pop("ds_muon", None)
         super().__setstate__(state)
+        self._state_key = None  # a new state dict: _init_state looks at every tensor again
+        if getattr(self, "_pieces", None) is not None:
+            self._pieces.clear()  # their views would keep the replaced momentum buffers alive
         if settings is not None:
             lost = settings.pop("_not_carried")
             if "overlap" in settings:  # pickled before OverlapSettings
@@ -260,12 +270,14 @@ class Muon(Optimizer):
     def _resolve(self) -> None:
         """Bindings and Layouts for the Muon tensors now in ``param_groups``.
 
-        Cached per set of tensors (and their placements): a stack that swaps
+        Cached per set of tensors (and their shapes; a DTensor's spec: mesh, placements, shape,
+        compared as the same object first, then by value): a stack that swaps
         parameters (accelerate, FSDP2 built after the optimizer) gets new layouts;
         one that narrows ``param_groups`` per call (DeepSpeed) reuses each set's.
         """
-        sig = tuple(
-            (id(p), _placement_sig(p)) for g in self.param_groups if g["use_muon"] for p in g["params"]
+        sig = tuple(  # inline (a call per tensor costs more than the rest): shape, or a DTensor's spec
+            (id(p), p._spec) if isinstance(p, _DTENSOR_OR_NONE) else (id(p), p.shape)
+            for g in self.param_groups if g["use_muon"] for p in g["params"]
         )
         if sig == self._binding_sig:
             return
@@ -290,6 +302,8 @@ class Muon(Optimizer):
             self._resolved[sig] = (bindings, layouts)
         self._bindings, self._layouts = self._resolved[sig]
         self._binding_sig = sig
+        self._settled = set()
+        self._state_key = None  # new bindings may need new state keys (AdamW slices)
 
     def _whole_world(self, sig) -> bool:
         """Does every world rank step this optimizer (its step group is the world)?"""
@@ -315,6 +329,7 @@ class Muon(Optimizer):
         self._resolved.clear()
         self._exchanges.clear()
         self._agreement.clear()
+        self._pieces.clear()
         self._final_grads = None
         self._binding_sig = None
         if getattr(self, "_deferred", None) is not None:
@@ -343,11 +358,8 @@ class Muon(Optimizer):
         self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
-        self._flats = _Flats()  # each tensor's local data, flattened once this step
-        try:
-            loss = self._stages(loss)
-        finally:
-            self._flats = None
+        self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
+        loss = self._stages(loss)
         if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
             self._summary_logged = log_first_step(self)
         return loss
@@ -362,32 +374,49 @@ class Muon(Optimizer):
         if not work:
             self._drain_early()
             return loss
-        group_of = self._muon_groups()
-        jobs = self._plan(work, group_of)  # 4. compiled exchanges: homes, dtypes, waves
-        gathers = self._gather(jobs, group_of)  # 5. momentum on local pieces, gathers issued
+        jobs = self._plan(work)  # 4. compiled exchanges: homes, dtypes, waves
+        gathers = self._gather(jobs)  # 5. momentum on local pieces, gathers issued
         scatters = self._orthogonalize(jobs, gathers)  # 6. NS at home, scatters issued
-        self._apply(jobs, scatters, group_of)  # 7. results applied (or deferred to forward)
+        self._apply(jobs, scatters)  # 7. results applied (or deferred to forward)
         if self._dispatch is not None and self._stack_allows_overlap():
             self._arm(jobs)  # the next backward sends the gathers whose gradients are final
         return loss
 
     def _init_state(self) -> None:
-        """State for every tensor at once, so every rank holds the same keys (DCP needs it)."""
+        """State for every tensor at once, so every rank holds the same keys (DCP needs it).
+
+        Skipped while the state dict (``load_state_dict`` replaces it), its size and the tensors
+        of every group stay those of the last call: nothing can be missing then."""
+        key = (id(self.state), len(self.state),
+               tuple((g["use_muon"], tuple(map(id, g["params"]))) for g in self.param_groups))
+        if key == self._state_key:
+            return
+        self._fill_state()
+        self._state_key = (id(self.state), len(self.state), key[2])
+
+    def _fill_state(self) -> None:
+        settled = self._settled  # Muon tensors that need nothing but a momentum buffer (no AdamW slices)
         for g in self.param_groups:
+            muon = g["use_muon"]
             for p in g["params"]:
                 st = self.state[p]
-                if g["use_muon"]:
-                    if "momentum_buffer" not in st:
+                if muon:
+                    buf = st.get("momentum_buffer")
+                    if buf is None:
                         st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    elif st["momentum_buffer"].stride() != p.stride():  # loaded from a differently laid-out model
-                        st["momentum_buffer"] = _relaid_like(st["momentum_buffer"], p, self._bindings.get(id(p)))
+                    elif buf.stride() != p.stride():  # loaded from a differently laid-out model
+                        st["momentum_buffer"] = _relaid_like(buf, p, self._bindings.get(id(p)))
+                    if id(p) in settled or "exp_avg" in st:
+                        continue
                     b = self._bindings.get(id(p))
-                    if b is not None and b.adam_ranges and "exp_avg" not in st:  # mixed flat shard (FSDP1)
+                    if b is not None and b.adam_ranges:  # mixed flat shard (FSDP1)
                         st["step"] = torch.tensor(0.0, dtype=torch.float32)
                         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    elif _fsdp1_view(p) and "exp_avg" not in st:
+                    elif _fsdp1_view(p):
                         st["exp_avg"], st["exp_avg_sq"] = _placeholder_like(p), _placeholder_like(p)
+                    elif b is not None:
+                        settled.add(id(p))
                 elif "exp_avg" not in st:
                     st["step"] = torch.tensor(0.0, dtype=torch.float32)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -399,17 +428,12 @@ class Muon(Optimizer):
         """The group the step's collectives run in, and its size (see :meth:`Agreement.group`)."""
         return self._agreement.group(self.process_group, self.param_groups, self._binding_sig)
 
-    def _flat(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """This rank's flat local data of ``t``: ``p`` itself, its gradient or a state tensor
-        (once per tensor and step)."""
-        return (self._flats or _Flats())(self._bindings.get(id(p)), t)
-
     def _check_gradients(self) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes
         (:class:`~ds_muon.agreement.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._step_group()
-        verdict = self._agreement.check(items, self._name, self._flat, group, world,
+        verdict = self._agreement.check(items, self._name, group, world,
                                         settings_of(self) if world > 1 else None, self._dispatch)
         if verdict.nonfinite:
             name = verdict.nonfinite[0]
@@ -504,7 +528,7 @@ class Muon(Optimizer):
                 work.append((layout, todo))
         return work
 
-    def _plan(self, work, group_of) -> List[_Job]:
+    def _plan(self, work) -> List[_Job]:
         """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.compile`),
         planned on first use and cached (a few sets of active matrices per layout) while the
         layout and NS settings stay."""
@@ -512,19 +536,19 @@ class Muon(Optimizer):
         for layout, todo in work:
             key = exchange_key(layout, todo, self.param_groups)
             compiled = self._exchanges.get(key, lambda: compile_exchanges(
-                layout, todo, group_of, mode=self.mode, planner=self.planner, cost_model=self.cost_model,
+                layout, todo, self._muon_groups(), mode=self.mode, planner=self.planner, cost_model=self.cost_model,
                 comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group),
                 offload=bool(getattr(self.adapter, "offload", False))))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 
-    def _gather(self, jobs: List[_Job], group_of) -> list:
+    def _gather(self, jobs: List[_Job]) -> list:
         """Stage 5: every wave's gather issued (of every domain) before any is waited on; a wave's
         momentum is computed just before its gather, so one wave's NS inputs live at a time.
         Gathers a backward hook already issued are claimed (their momentum committed now)."""
         early = self._dispatch.claim([j.exchange for j in jobs]) if self._dispatch is not None else {}
         return [early[id(j.exchange)] if id(j.exchange) in early
-                else j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange, group_of=group_of)[0])
+                else j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
                 for j in jobs]
 
     @staticmethod
@@ -537,18 +561,18 @@ class Muon(Optimizer):
             scatters.append(j.exchange.scatter_start({key: j.ns_of[key].run(stack) for key, stack in stacks.items()}))
         return scatters
 
-    def _apply(self, jobs: List[_Job], scatters: list, group_of) -> None:
+    def _apply(self, jobs: List[_Job], scatters: list) -> None:
         """Stage 7: each wave's results applied in place, now or (overlap) by the next forward."""
         defer = self._deferred is not None and self._stack_allows_overlap()
         for j, pending in zip(jobs, scatters):
-            apply = self._applier(j.layout, j.exchange, pending, group_of)
+            apply = self._applier(j.layout, j.exchange, pending)
             if defer:
                 params = _params_of(j.layout, j.exchange.active)
                 self._deferred.add(list(params), apply, list(params.values()))
             else:
-                apply(self._flats)
+                apply(self._step_token)
 
-    def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True, group_of=None):
+    def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True):
         """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov,
         for all pieces of a param group at once (:func:`~ds_muon.update.ns_input`).
 
@@ -556,32 +580,21 @@ class Muon(Optimizer):
         alone and ``(buffer slice, new value)`` pairs are returned for :meth:`step` to
         commit once the gradients are known to be good.  Returns ``(pieces, commits)``.
         """
-        flat = self._flats or _Flats()
-        group_of = group_of or self._muon_groups()
-        by_group: Dict[int, tuple] = {}  # id(group) -> (group, matrices, grads, buffers, params)
-        for i in ex.active:
-            b, slot = layout.local[i]
-            piece = slot.piece
-            if piece is None or piece.numel == 0:
-                continue
-            p = b.param
-            g = group_of[id(p)]
-            lists = by_group.get(id(g))
-            if lists is None:
-                lists = by_group[id(g)] = (g, [], [], [], [])
-            off, n = slot.local_offset, piece.numel
-            lists[1].append(i)
-            lists[2].append(_piece_of(flat(b, p.grad), off, n))
-            lists[3].append(_piece_of(flat(b, self.state[p]["momentum_buffer"]), off, n))
-            lists[4].append(_piece_of(flat(b, p), off, n))
-        pieces: Dict[int, torch.Tensor] = {}
-        commits = []
-        for g, idx, grads, bufs, params in by_group.values():
-            inputs, new = ns_input(grads, bufs, params, g, commit)
-            pieces.update(zip(idx, inputs))
-            if not commit:
-                commits.extend(zip(bufs, new))
-        return pieces, commits
+        return self._pieces_of(layout, ex).inputs(self.param_groups, self.state, commit,
+                                                  bound_in=self._step_token if commit else None)
+
+    def _pieces_of(self, layout: Layout, ex: Exchange) -> WavePieces:
+        """The wave's pieces with their views (:class:`~ds_muon.pieces.WavePieces`), made once per
+        wave while the param groups keep their members."""
+        members = tuple((id(g), len(g["params"])) for g in self.param_groups)
+        if members != self._pieces_members:
+            self._pieces.clear()
+            self._pieces_members = members
+        pieces = self._pieces.get(ex)
+        if pieces is None:
+            index = {id(p): gi for gi, g in enumerate(self.param_groups) if g["use_muon"] for p in g["params"]}
+            pieces = self._pieces[ex] = WavePieces(layout, ex.active, index)
+        return pieces
 
     def _muon_groups(self) -> Dict[int, dict]:
         """Each Muon tensor's param group, by id (looked up afresh: load_state_dict replaces groups)."""
@@ -617,33 +630,18 @@ class Muon(Optimizer):
         if getattr(self, "_dispatch", None) is not None:
             self._dispatch.drain()
 
-    def _applier(self, layout: Layout, ex: Exchange, pending, group_of) -> Callable[[], None]:
+    def _applier(self, layout: Layout, ex: Exchange, pending) -> Callable[[], None]:
         """Finish one exchange's scatter and apply its results in place, all pieces that share
         a learning rate, decay and scale at once.  Learning rates and decay are read now, at
         step time, so a scheduler stepping before a deferred apply cannot change this step's update."""
-        updates: Dict[tuple, List[tuple]] = {}  # (decay, alpha) -> [(matrix, binding, offset, numel)]
-        known: Dict[tuple, tuple] = {}  # (group, shape, transposed) -> (decay, alpha)
-        for i in ex.active:
-            b, slot = layout.local[i]
-            piece = slot.piece
-            if piece is None or piece.numel == 0:
-                continue
-            g = group_of[id(b.param)]
-            kind = (id(g), slot.shape, slot.transposed)
-            coefficients = known.get(kind)
-            if coefficients is None:
-                coefficients = known[kind] = apply_coefficients(g, slot.matrix_shape, slot.transposed)
-            updates.setdefault(coefficients, []).append((i, b, slot.local_offset, piece.numel))
+        pieces = self._pieces_of(layout, ex)
+        coefficients = pieces.coefficients(self.param_groups)
 
         @torch.no_grad()  # may run later, from a forward pre-hook
-        def apply(flat: Optional[_Flats] = None):
-            """``flat``: the step's views when applied within it; deferred, the tensors' local data now.
+        def apply(bound_in=None):
+            """``bound_in``: the step's token when applied within it (the views were checked this step).
             (No reference to the optimizer: a dropped optimizer's deferred updates must not keep it alive.)"""
-            results = ex.scatter_finish(pending)
-            flat = flat or _Flats()
-            for (decay, alpha), pieces in updates.items():
-                apply_result([_piece_of(flat(b, b.param), off, n) for _, b, off, n in pieces],
-                             [results[i] for i, _, _, _ in pieces], decay, alpha)
+            pieces.apply(ex.scatter_finish(pending), coefficients, bound_in)
 
         return apply
 
@@ -681,28 +679,6 @@ class Muon(Optimizer):
 
 
 
-class _Flats:
-    """Each tensor's flat local data (``binding.flat``), computed once: a DTensor's
-    ``to_local()`` and the views cost host time per call, and a step reads each tensor's
-    several times.  Lives for one step (or one deferred apply), while the tensors stay."""
-
-    def __init__(self):
-        self._views: Dict[int, torch.Tensor] = {}
-        self._kept: List[torch.Tensor] = []  # keeps each cached tensor alive, so its id stays its own
-
-    def __call__(self, binding: Optional[ParamBinding], t: torch.Tensor) -> torch.Tensor:
-        view = self._views.get(id(t))
-        if view is None:
-            view = self._views[id(t)] = binding.flat(t) if binding is not None else local_shard(t)
-            self._kept.append(t)
-        return view
-
-
-def _piece_of(flat: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
-    """``flat[offset:offset + numel]``, without a new view when that is all of it."""
-    return flat if offset == 0 and numel == flat.numel() else flat[offset:offset + numel]
-
-
 def _fsdp1_view(p: torch.Tensor) -> bool:
     """An original parameter FSDP1 (use_orig_params=True) flattened into a FlatParameter."""
     return getattr(p, "_fsdp_flattened", False) and not hasattr(p, "_fqns")
@@ -729,13 +705,6 @@ def _placeholder_like(p: torch.Tensor) -> torch.Tensor:
     same keys (momentum_buffer, exp_avg, exp_avg_sq).
     """
     return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
-
-
-def _placement_sig(p: torch.Tensor):
-    """Shape and (DTensor) placements: placements are hashable values, compared as they are
-    (the step computes this for every tensor)."""
-    placements = getattr(p, "placements", None)
-    return (placements, p.shape) if placements is not None else p.shape
 
 
 def _group_key(group):

@@ -16,7 +16,8 @@ from .scaling import get_muon_scale_factor
 
 
 def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[torch.Tensor], group: dict,
-             commit: bool = True) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+             commit: bool = True, out: Optional[List[torch.Tensor]] = None
+             ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """What NS orthogonalizes, from pieces of gradients, momentum buffers and parameters
     (lists of flat tensors of equal sizes, all of one param group ``group``): L2 weight decay
     (``weight_decay_mode="l2"``), the momentum lerp, then Nesterov.
@@ -25,7 +26,8 @@ def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[t
     element as the single-tensor ops, so results do not depend on how pieces are batched).
     ``commit=True`` updates ``bufs`` in place; ``commit=False`` leaves them alone (a wave sent
     from backward commits only once the step has agreed the gradients are good).
-    Returns ``(inputs, new momenta)``.
+    ``out`` (tensors shaped like ``grads``, kept by the caller) receives the Nesterov inputs in
+    place of new tensors: the same lerp, of a copy of ``grads``.  Returns ``(inputs, new momenta)``.
     """
     if not grads:
         return [], []
@@ -36,7 +38,13 @@ def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[t
         new = list(bufs)
     else:
         new = list(torch._foreach_lerp(bufs, grads, 1 - group["momentum"]))
-    return (list(torch._foreach_lerp(grads, new, group["momentum"])) if group["nesterov"] else new), new
+    if not group["nesterov"]:
+        return new, new
+    if out is not None:
+        torch._foreach_copy_(out, grads)
+        torch._foreach_lerp_(out, new, group["momentum"])
+        return out, new
+    return list(torch._foreach_lerp(grads, new, group["momentum"])), new
 
 
 def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: bool) -> Tuple[Optional[float], float]:
@@ -55,12 +63,16 @@ def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: b
 
 
 def apply_result(params: List[torch.Tensor], results: List[torch.Tensor], decay: Optional[float],
-                 alpha: float) -> None:
+                 alpha: float, all_flat: bool = False) -> None:
     """``param = param * decay + alpha * result`` in place, for pieces (flat) that share
-    ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation."""
+    ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation.  A result may be a
+    ``[rows, length]`` piece (a column block), flattened here unless the caller says
+    ``all_flat``."""
     if not params:
         return
     results = to_device_of(params, results)  # NS ran on the accelerator for host pieces (offload)
     if decay is not None:
         torch._foreach_mul_(params, decay)
-    torch._foreach_add_(params, [r if r.dim() == 1 else r.reshape(-1) for r in results], alpha=alpha)
+    if not all_flat:
+        results = [r if r.dim() == 1 else r.reshape(-1) for r in results]
+    torch._foreach_add_(params, results, alpha=alpha)

@@ -1,0 +1,190 @@
+"""This rank's pieces of one wave's matrices, as the lists the update's foreach calls take.
+
+A step touches every matrix piece three times (momentum and Nesterov before the gather,
+the update after the scatter), through the parameter, its gradient and its momentum
+buffer.  Making those views afresh every step (``to_local()``, a flat view, a slice, per
+tensor and use) cost more host time than the arithmetic on a small matrix.
+:class:`WavePieces` works out once per wave which pieces go together (param group, then
+shape: the order the update's coefficients are shared in) and keeps the views of
+parameters and momentum buffers, checked every step by the address of each local tensor
+(a stack or a load that swaps storage gets new views).  Gradients are new every step: a
+piece that is all of a contiguous local tensor uses the tensor itself (no view), others
+are cut from the binding's flat view.  Nesterov's inputs are written into a kept buffer
+whose flat views the exchange reads, instead of new tensors every step.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .layout import _DTENSOR_OR_NONE as _DTENSOR, Layout, ParamBinding, matrix_shape
+from .update import apply_coefficients, apply_result, ns_input
+
+
+class WavePieces:
+    """The pieces of ``ex.active`` this rank holds, sorted by (param group, shape,
+    transposed); ``group_index[id(param)]`` is each parameter's index in ``param_groups``."""
+
+    def __init__(self, layout: Layout, active: List[int], group_index: Dict[int, int]):
+        entries = []
+        for i in active:
+            b, slot = layout.local[i]
+            piece = slot.piece
+            if piece is None or piece.numel == 0:
+                continue
+            entries.append((group_index[id(b.param)], slot.shape, slot.transposed, i, b, slot.local_offset,
+                            piece.numel))
+        entries.sort(key=lambda e: e[:3])  # stable: layout order within a kind
+        self.idx = [e[3] for e in entries]
+        self.bindings: List[ParamBinding] = [e[4] for e in entries]
+        self.params = [b.param for b in self.bindings]
+        self.spans = [(e[5], e[6]) for e in entries]
+        # runs of equal param group (the update's inputs) and of equal (group, shape, transposed) (its coefficients)
+        self.group_indices = [e[0] for e in entries]
+        self.groups = _runs(self.group_indices)
+        self.kinds = [(a, z, entries[a][0], matrix_shape(entries[a][1]), entries[a][2])
+                      for a, z in _runs([e[:3] for e in entries])]
+        self._ptrs: Optional[list] = None  # local storage addresses of params then momenta the views were made for
+        self._keep: list = []  # the local tensors those views are of (so an address stays theirs)
+        self._whole: List[bool] = []
+        self._bufs: List[torch.Tensor] = []  # momentum pieces, shaped like the gradient pieces
+        self._buf_flats: List[torch.Tensor] = []
+        self._param_pieces: List[torch.Tensor] = []  # shaped like the gradient pieces (L2 decay)
+        self._param_flats: List[torch.Tensor] = []  # flat (the results are)
+        self._param_ptrs: Optional[list] = None
+        self._inputs: Dict[tuple, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}  # kept Nesterov inputs
+        self._all_whole = False
+        self._bound_in = None
+        self._flat_results: Optional[bool] = None  # are all results flat (no column blocks)?
+
+    # -- views, checked every use ----------------------------------------------------------------
+    def _bind(self, state) -> None:
+        """The views of parameters and momentum buffers, made again when a local tensor moved."""
+        lps = _locals(self.params)
+        lms = _locals([state[p]["momentum_buffer"] for p in self.params])
+        ptrs = [t.data_ptr() for t in lps] + [t.data_ptr() for t in lms]
+        if ptrs == self._ptrs:
+            return
+        self._whole = [_whole(b, p, lp, off, n)
+                       for p, lp, b, (off, n) in zip(self.params, lps, self.bindings, self.spans)]
+        self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
+        self._param_pieces = [lp if w else f for lp, w, f in zip(lps, self._whole, self._param_flats)]
+        self._buf_flats = [_cut(b, state[p]["momentum_buffer"], off, n)
+                           for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
+        self._bufs = [lm if w else f for lm, w, f in zip(lms, self._whole, self._buf_flats)]
+        self._inputs.clear()
+        self._keep = lps + lms
+        self._ptrs = ptrs
+        self._param_ptrs = ptrs[:len(lps)]
+        self._all_whole = all(self._whole)
+
+    def _grads(self) -> List[torch.Tensor]:
+        if self._all_whole:
+            return _locals([p.grad for p in self.params])
+        out = []
+        flats: Dict[int, torch.Tensor] = {}
+        for p, b, w, (off, n) in zip(self.params, self.bindings, self._whole, self.spans):
+            if w:
+                out.append(_locals([p.grad])[0])
+            else:
+                flat = flats.get(id(p))
+                if flat is None:
+                    flat = flats[id(p)] = b.flat(p.grad)
+                out.append(flat if off == 0 and n == flat.numel() else flat[off:off + n])
+        return out
+
+    def _kept_inputs(self, a: int, z: int, grads: List[torch.Tensor]):
+        """A kept buffer for pieces ``[a, z)``'s Nesterov inputs: views shaped like ``grads`` and flat."""
+        key = (a, z) + tuple(g.dtype for g in grads[:1])
+        kept = self._inputs.get(key)
+        if kept is None:
+            numels = [n for _, n in self.spans[a:z]]
+            buf = torch.empty(sum(numels), dtype=grads[0].dtype, device=grads[0].device)
+            flats = list(buf.split(numels))
+            kept = self._inputs[key] = ([f.view(g.shape) for f, g in zip(flats, grads)], flats)
+        return kept
+
+    # -- the update's two halves -----------------------------------------------------------------
+    def inputs(self, param_groups, state, commit: bool = True, bound_in=None):
+        """This rank's pieces of the wave's NS inputs (weight decay, momentum, Nesterov:
+        :func:`~ds_muon.update.ns_input`, one call per param group) as ``{matrix: flat piece}``,
+        and (``commit=False``) the ``(momentum piece, new value)`` pairs to commit later.
+        ``bound_in``: a token of the step, for :meth:`apply`."""
+        self._bind(state)
+        self._bound_in = bound_in
+        grads = self._grads()
+        pieces: Dict[int, torch.Tensor] = {}
+        commits = []
+        for a, z in self.groups:
+            g = param_groups[self._group_of(a)]
+            gs = grads[a:z]
+            kept = None
+            if commit and g["nesterov"] and all(t.dtype == gs[0].dtype for t in gs):
+                kept = self._kept_inputs(a, z, gs)
+            inputs, new = ns_input(gs, self._bufs[a:z], self._param_pieces[a:z], g, commit,
+                                   out=kept[0] if kept is not None else None)
+            if kept is not None:
+                flats = kept[1]
+            elif commit and not g["nesterov"]:
+                flats = self._buf_flats[a:z]
+            else:
+                flats = [t.reshape(-1) for t in inputs]
+            pieces.update(zip(self.idx[a:z], flats))
+            if not commit:
+                commits.extend(zip(self._bufs[a:z], new))
+        return pieces, commits
+
+    def _group_of(self, a: int) -> int:
+        return self.group_indices[a]
+
+    def coefficients(self, param_groups) -> List[tuple]:
+        """``(decay, alpha)`` of each kind, read now (a scheduler stepping later changes nothing)."""
+        return [apply_coefficients(param_groups[gi], shape, transposed) for _, _, gi, shape, transposed in self.kinds]
+
+    def apply(self, results: Dict[int, torch.Tensor], coefficients: List[tuple], bound_in=None) -> None:
+        """``param = param * decay + alpha * result`` for every piece, one call per kind.
+        ``bound_in``: the token the step passed :meth:`inputs` (its views need no second check)."""
+        if bound_in is not None and bound_in == self._bound_in:
+            pass  # the step's own apply: the views were checked by its inputs
+        elif [t.data_ptr() for t in _locals(self.params)] != self._param_ptrs:  # moved since (or never bound)
+            lps = _locals(self.params)
+            self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
+            self._param_ptrs = [t.data_ptr() for t in lps]
+            self._ptrs = None  # the inputs' views are made again at their next use
+        ordered = [results[i] for i in self.idx]
+        if self._flat_results is None:  # the exchange hands out the same kinds of pieces every step
+            self._flat_results = all(r.dim() == 1 for r in ordered)
+        for (a, z, _, _, _), (decay, alpha) in zip(self.kinds, coefficients):
+            apply_result(self._param_flats[a:z], ordered[a:z], decay, alpha, self._flat_results)
+
+
+def _locals(ts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """:func:`~ds_muon.layout.local_data` of each (inline: a call per tensor costs more)."""
+    return [t._local_tensor if isinstance(t, _DTENSOR) else t for t in ts]
+
+
+def _cut(b: ParamBinding, t: torch.Tensor, off: int, n: int) -> torch.Tensor:
+    flat = b.flat(t)
+    return flat if off == 0 and n == flat.numel() else flat[off:off + n]
+
+
+def _runs(keys: list) -> List[Tuple[int, int]]:
+    """``[start, end)`` of each run of equal consecutive keys."""
+    out = []
+    a = 0
+    for k in range(1, len(keys) + 1):
+        if k == len(keys) or keys[k] != keys[a]:
+            out.append((a, k))
+            a = k
+    return out
+
+
+def _whole(b: ParamBinding, p: torch.Tensor, lp: torch.Tensor, off: int, n: int) -> bool:
+    """Is the piece all of ``p``'s local tensor, in the order of its flat view (row-major)?  Then
+    the tensor itself stands for the piece (and its gradient's local tensor too): no view needed."""
+    if off or n != lp.numel() or not lp.is_contiguous():
+        return False
+    flat = b.flat(p)
+    return flat.data_ptr() == lp.data_ptr() and flat.numel() == n

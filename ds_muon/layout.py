@@ -259,6 +259,7 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dtensor_class():
+    """DTensor, looked up once (the step asks per tensor, several times)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor

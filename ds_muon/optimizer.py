@@ -40,8 +40,7 @@ from .exchange import Exchange
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
-from .integrations.fsdp2 import _DTENSOR
-from .layout import Layout, ParamBinding, build_layout, local_shard
+from .layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
 from .overlap import OverlapSettings, Wave
 from .pieces import WavePieces
 from .summary import Summary, log_first_step, summarize
@@ -49,7 +48,6 @@ from .tags import restore_tags
 from .planner import STRATEGIES, CostModel
 
 MODES = ("sharded", "duplicated")
-_DTENSOR_OR_NONE = _DTENSOR if _DTENSOR is not None else ()  # for isinstance
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
 NONFINITE = ("raise", "skip")
 

@@ -178,22 +178,27 @@ def _accelerate_worker(rank, world, doors, tmp):
     return out
 
 
+def check_door(results, door, resumed_losses):
+    """One front door's straight and resumed runs: the loss falls, exactly the hidden matrices take
+    Muon, NS is split over both ranks, and the resumed run ends bitwise where the straight one does
+    (both ranks see the same whole weights)."""
+    straight, resumed = results[0][door]
+    losses = straight["losses"]
+    assert len(losses) == 2 * K and sum(losses[-2:]) / 2 < losses[0] - 0.05, (door, losses)
+    assert straight["muon"] == expected_muon("llama", FAMILIES["llama"]()), door
+    assert straight["homes"] == [0, 1], (door, straight["homes"])  # Newton-Schulz split over both ranks
+    assert resumed["losses"] == resumed_losses(losses), (door, resumed["losses"], losses)
+    for r in results:
+        for run in r[door]:
+            for n, t in straight["weights"].items():
+                assert torch.equal(run["weights"][n], t), (door, n)
+
+
 def test_accelerate_front_door(tmp_path):
     pytest.importorskip("deepspeed")
     results = dist_harness.run(_accelerate_worker, 2, DOORS, str(tmp_path), timeout=400, env=ENV)
-    want_muon = expected_muon("llama", FAMILIES["llama"]())
-    for door in DOORS:
-        straight, resumed = results[0][door]
-        losses = straight["losses"]
-        assert len(losses) == 2 * K and sum(losses[-2:]) / 2 < losses[0] - 0.05, (door, losses)
-        assert straight["muon"] == want_muon, door
-        assert straight["homes"] == [0, 1], (door, straight["homes"])  # Newton-Schulz split over both ranks
-        assert resumed["losses"] == losses[K:], door
-        for n, t in straight["weights"].items():
-            assert torch.equal(resumed["weights"][n], t), (door, n)
-        for r in results:  # both ranks, straight and resumed, see the same whole weights
-            for run in r[door]:
-                assert all(torch.equal(run["weights"][n], t) for n, t in straight["weights"].items()), door
+    for door in DOORS:  # accelerate's own loss log of a resumed run holds only its K steps
+        check_door(results, door, resumed_losses=lambda losses: losses[K:])
     assert results[0]["fsdp2"][0]["dtensors"] and results[0]["fsdp2"][0]["distributed_type"] == "FSDP"
     assert results[0]["fsdp2"][0]["layers_sharded"]
     assert results[0]["deepspeed_zero1"][0]["binding"] == results[0]["deepspeed_zero2"][0]["binding"] == "zero12"
@@ -280,18 +285,8 @@ def test_trainer_front_door(tmp_path):
     if any(d.startswith("zero") for d in TRAINER_DOORS):
         pytest.importorskip("deepspeed")
     results = dist_harness.run(_trainer_worker, 2, TRAINER_DOORS, str(tmp_path), timeout=400, env=ENV)
-    want_muon = expected_muon("llama", FAMILIES["llama"]())
-    for door in TRAINER_DOORS:
-        straight, resumed = results[0][door]
-        losses = straight["losses"]
-        assert len(losses) == 2 * K and sum(losses[-2:]) / 2 < losses[0] - 0.05, (door, losses)
-        assert straight["muon"] == want_muon, door
-        assert straight["homes"] == [0, 1], (door, straight["homes"])
-        assert resumed["losses"] == losses, (door, resumed["losses"], losses)  # the history K, then its own K
-        for r in results:  # both ranks, straight and resumed
-            for run in r[door]:
-                for n, t in straight["weights"].items():
-                    assert torch.equal(run["weights"][n], t), (door, n)
+    for door in TRAINER_DOORS:  # the Trainer's log of a resumed run: the history K, then its own K
+        check_door(results, door, resumed_losses=lambda losses: losses)
     wrapped = {d: (results[0][d][0]["wrapped"], results[0][d][0]["binding"]) for d in TRAINER_DOORS}
     want = {"ddp": ("DistributedDataParallel", None), "fsdp2": ("FSDPLlamaForCausalLM", None),
             "zero2": ("DeepSpeedEngine", "zero12"), "zero3": ("DeepSpeedEngine", "zero3")}

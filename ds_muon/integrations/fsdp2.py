@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..layout import MatrixSlot, ParamBinding, Piece, matrix_shape
+from ..layout import _DTENSOR, MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..slots import block_slots
 from ..tags import is_tagged, is_transposed
 from .base import BindContext
@@ -54,18 +54,6 @@ def _fully_sharded(model) -> set:
 
 def is_dtensor(t) -> bool:
     return _DTENSOR is not None and isinstance(t, _DTENSOR)
-
-
-def _dtensor_class():
-    """DTensor, looked up once (the step asks per tensor, several times)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_class()
 
 
 def _dtensor_flat(t: torch.Tensor) -> torch.Tensor:

@@ -302,11 +302,12 @@ def plan_multi_homes(tasks: Sequence[MatrixTask], world_size: int, cost_model: O
     """Homes per matrix, several where the cost model says duplicating NS beats sending the result.
 
     Starts from :func:`plan_homes`; then (``strategy="auto"`` only; the others keep one home), while it shortens the modelled step, takes the slowest
-    rank and gives one of the matrices it touches an extra home: the least-loaded rank that
-    already holds that matrix whole (DDP replicas: nothing to gather), which then runs the same NS
-    and takes over part of the scatter.  A move is kept when the slowest rank gets faster, or stays
-    as fast while the ranks together spend less time (ties between equally slow ranks).  A pure function of its inputs: every rank gets the same
-    homes.  With one home everywhere the result is ``plan_homes``'s."""
+    rank and gives one of the matrices it touches an extra home: that rank itself or the least-loaded
+    rank, either already holding the matrix whole (DDP replicas: nothing to gather), which then runs the same NS
+    and takes over part of the scatter; or every whole holder at once (plain duplication of that
+    matrix, which single steps cannot reach: a new home also takes over scatter targets).  A move is kept when the slowest rank gets faster, or stays
+    as fast while the ranks together spend less time (ties between equally slow ranks).
+    A pure function of its inputs: every rank gets the same homes.  With one home everywhere the result is ``plan_homes``'s."""
     cm = cost_model or CostModel()
     plan = plan_homes(tasks, world_size, strategy, cm)
     tasks = plan.tasks
@@ -329,19 +330,51 @@ def plan_multi_homes(tasks: Sequence[MatrixTask], world_size: int, cost_model: O
             spare = [r for r in whole[i] if r not in hs]
             if not spare:
                 continue
-            c = min(spare, key=lambda r: (t_rank[r], r))
-            new_hs = tuple(sorted(hs + (c,)))
-            new = rank_seconds(tasks[i], new_hs, cm)
-            after = {r: t_rank[r] - part[i].get(r, 0.0) + new.get(r, 0.0) for r in set(part[i]) | set(new)}
-            worst = max(after.values())
-            gain = sum(after.values()) - sum(t_rank[r] for r in after)  # < 0: less time in all
-            shorter = worst < limit * (1 - 1e-9)
-            if (shorter or (worst <= limit and gain < -1e-12 * limit)) and (best is None or (worst, gain) < best[:2]):
-                best = (worst, gain, i, new_hs, new, after)
+            # the slowest rank itself (it stops receiving this result) or the least-loaded holder
+            cands = [tuple(sorted(hs + (c,))) for c in sorted({min(spare, key=lambda r: (t_rank[r], r)),
+                                                               *([b] if b in spare else [])})]
+            cands.append(tuple(sorted(set(hs) | set(spare))))  # every whole holder: NS everywhere, no scatter
+            for new_hs in dict.fromkeys(cands):
+                new = rank_seconds(tasks[i], new_hs, cm)
+                after = {r: t_rank[r] - part[i].get(r, 0.0) + new.get(r, 0.0) for r in set(part[i]) | set(new)}
+                worst = max(after.values())
+                gain = sum(after.values()) - sum(t_rank[r] for r in after)  # < 0: less time in all
+                shorter = worst < limit * (1 - 1e-9)
+                if (shorter or (worst <= limit and gain < -1e-12 * limit)) and (best is None or (worst, gain) < best[:2]):
+                    best = (worst, gain, i, new_hs, new, after)
         if best is None:
             break
         _, _, i, new_hs, new, after = best
         for r, v in after.items():
             t_rank[r] = v
         homes[i], part[i] = new_hs, new
-    return homes
+    return _best_duplication(tasks, homes, whole, world_size, cm)
+
+
+def _step_seconds(tasks: Sequence[MatrixTask], homes: Sequence[Tuple[int, ...]], world: int, cm: CostModel) -> float:
+    t_rank = [0.0] * world
+    for t, hs in zip(tasks, homes):
+        for r, v in rank_seconds(t, hs, cm).items():
+            t_rank[r] += v
+    return max(t_rank)
+
+
+def _best_duplication(tasks, homes, whole, world: int, cm: CostModel) -> List[Tuple[int, ...]]:
+    """Local moves stall on ties between equally slow ranks; so also try duplicating (NS at every whole
+    holder) the 1, 2, 4, ... matrices where that saves the most time in all, and keep the fastest plan."""
+    def saving(i: int) -> float:
+        t = tasks[i]
+        return sum(rank_seconds(t, homes[i], cm).values()) - len(whole[i]) * t.flops / cm.flops_per_s
+
+    order = sorted((i for i in range(len(tasks)) if len(whole[i]) > len(homes[i]) and saving(i) > 0),
+                   key=lambda i: (-saving(i), i))
+    best, best_t = homes, _step_seconds(tasks, homes, world, cm)
+    k = 1
+    while order and k <= 2 * len(order):
+        dup = set(order[:k])
+        cand = [tuple(whole[i]) if i in dup else hs for i, hs in enumerate(homes)]
+        t = _step_seconds(tasks, cand, world, cm)
+        if t < best_t * (1 - 1e-9):
+            best, best_t = cand, t
+        k *= 2
+    return best

@@ -13,7 +13,13 @@ Strategies compared on the same shapes and holdings:
   homes of the matrices whose home sends the most, each home then scattering to
   a share of the holders (duplicate NS, split scatter).
 
-Every number is the planner's own: the sharded rows read the :class:`~ds_muon.planner.Plan`
+On a 2-D mesh (``ds-muon plan --mesh``, :func:`mesh_rows`): HSDP ``replicate=R,shard=S``
+and FSDP x TP ``dp=D,tp=T``, with bytes split inside / across nodes
+(:meth:`CostModel.link_seconds <ds_muon.planner.CostModel.link_seconds>`): today's
+per-replica plan, each NS once in the world, the per-matrix choice between them, and the
+baselines.  These rows are analytic (equal pieces, LPT), not the optimizer's plan.
+
+Every number of the world-size table is the planner's own: the sharded rows read the :class:`~ds_muon.planner.Plan`
 the optimizer would use (its NS cost, traffic and modelled step time), the baselines
 count gathers with :func:`~ds_muon.planner.gather_traffic` and turn FLOPs and bytes
 into seconds with the same :meth:`CostModel.seconds <ds_muon.planner.CostModel.seconds>`.

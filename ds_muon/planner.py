@@ -10,7 +10,10 @@ exchanges, where bytes count everything r sends or receives.  ``strategy="lpt"``
 is the classic longest-processing-time rule on NS cost alone (the baseline);
 ``"locality"`` (default) runs the same LPT order but picks, for each matrix, the
 home that keeps the modelled slowest rank fastest, so a matrix the stack already
-delivered whole stays where it is unless moving it pays.
+delivered whole stays where it is unless moving it pays.  ``"auto"`` then gives
+replicated matrices extra homes where running NS again costs less than sending the
+result (:func:`plan_multi_homes`).  With ``CostModel.ranks_per_node`` bytes between
+nodes and inside a node go at their own rates (:func:`rank_seconds`).
 """
 
 from __future__ import annotations

@@ -31,11 +31,12 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .planner import CostModel, MatrixTask, gather_traffic, host_traffic, plan_homes
+from .planner import CostModel, MatrixTask, gather_traffic, host_traffic, pair_traffic, plan_homes, plan_multi_homes
 
 SHARDED = ("locality", "lpt", "round_robin")
 BASELINES = ("duplicated", "deepspeed_owner")
 STRATEGIES = SHARDED + BASELINES + ("locality+dup",)
+OPTIONAL = ("auto",)  # the optimizer's planner="auto": plans in O(world x matrices) per move, so not a default row
 
 
 @dataclass
@@ -157,6 +158,24 @@ def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostMode
     return _modelled("locality+dup", ns, sent, recv, 2, count, cm, tasks)
 
 
+def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
+    """The optimizer's ``planner="auto"`` (:func:`~ds_muon.planner.plan_multi_homes`), counted the way
+    its exchange moves bytes (:func:`~ds_muon.planner.pair_traffic`)."""
+    tasks = [t if len(t.held) == world else MatrixTask(t.rows, t.cols, t.steps, t.elem_bytes,
+                                                       tuple(t.held) + (0,) * (world - len(t.held)), t.method)
+             for t in tasks]
+    homes = plan_multi_homes(tasks, world, cm, "auto")
+    ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
+    for t, hs in zip(tasks, homes):
+        for h in hs:
+            ns[h] += t.flops
+            count[h] += 1
+        for (a, b), n in pair_traffic(t, hs).items():
+            sent[a] += n * t.elem_bytes
+            recv[b] += n * t.elem_bytes
+    return _modelled("auto", ns, sent, recv, 2 if any(sent) else 0, count, cm, tasks)  # no bytes: no collective
+
+
 def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
             strategies: Sequence[str] = STRATEGIES) -> List[Dict[str, object]]:
     rows = []
@@ -169,6 +188,8 @@ def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
             cost = deepspeed_owner_cost(tasks, world, cm)
         elif s == "locality+dup":
             cost = duplicate_surplus_cost(tasks, world, cm)
+        elif s == "auto":
+            cost = multi_home_cost(tasks, world, cm)
         else:
             raise ValueError(f"unknown strategy {s!r}")
         rows.append(cost.row(tasks))

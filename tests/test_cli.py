@@ -150,3 +150,22 @@ def test_plan_mesh_cli(capsys, monkeypatch):
 def test_bad_mesh_names_the_flag(spec):
     with pytest.raises(ValueError, match="--mesh"):
         costs.parse_mesh(spec)
+
+
+def test_auto_row_is_the_optimizers_plan():
+    """`--strategies auto` counts plan_multi_homes' homes: duplication for a small DDP model, where
+    one home per matrix must send every result to W-1 ranks."""
+    from ds_muon.planner import plan_multi_homes, rank_seconds
+
+    shapes = [(768, 768)] * 8 + [(3072, 768)] * 4
+    cm = CostModel()
+    tasks = costs.tasks_for(shapes, 8, "replicated")
+    rows = {r["strategy"]: r for r in costs.compare(tasks, 8, cm, ["locality", "duplicated", "auto"])}
+    homes = plan_multi_homes(tasks, 8, cm)
+    t_rank = [0.0] * 8
+    for t, hs in zip(tasks, homes):
+        for r, v in rank_seconds(t, hs, cm).items():
+            t_rank[r] += v
+    assert rows["auto"]["modelled_step_ms"] == round(max(t_rank) * 1e3, 4)
+    assert rows["auto"]["modelled_step_ms"] < rows["locality"]["modelled_step_ms"]
+    assert rows["auto"]["modelled_step_ms"] <= rows["duplicated"]["modelled_step_ms"]

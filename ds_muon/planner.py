@@ -304,13 +304,15 @@ def plan_multi_homes(tasks: Sequence[MatrixTask], world_size: int, cost_model: O
                      strategy: str = "auto") -> List[Tuple[int, ...]]:
     """Homes per matrix, several where the cost model says duplicating NS beats sending the result.
 
-    Starts from :func:`plan_homes`; then (``strategy="auto"`` only; the others keep one home), while it shortens the modelled step, takes the slowest
-    rank and gives one of the matrices it touches an extra home: that rank itself or the least-loaded
-    rank, either already holding the matrix whole (DDP replicas: nothing to gather), which then runs the same NS
-    and takes over part of the scatter; or every whole holder at once (plain duplication of that
-    matrix, which single steps cannot reach: a new home also takes over scatter targets).  A move is kept when the slowest rank gets faster, or stays
-    as fast while the ranks together spend less time (ties between equally slow ranks).
-    A pure function of its inputs: every rank gets the same homes.  With one home everywhere the result is ``plan_homes``'s."""
+    Starts from :func:`plan_homes`.  Only ``strategy="auto"`` goes on (the others keep one home):
+    while it shortens the modelled step, take the slowest rank and give one of the matrices it
+    touches more homes among the ranks already holding it whole (DDP replicas: nothing to gather),
+    which run the same NS and take over part of the scatter: that rank itself, the least-loaded
+    rank, or every whole holder at once (single steps cannot always get there: a new home also
+    takes over scatter targets).  A move is kept when the slowest rank gets faster, or stays as
+    fast while the ranks together spend less time (ties between equally slow ranks); then
+    :func:`_best_duplication` tries duplicating whole prefixes.  A pure function of its inputs:
+    every rank gets the same homes."""
     cm = cost_model or CostModel()
     plan = plan_homes(tasks, world_size, strategy, cm)
     tasks = plan.tasks

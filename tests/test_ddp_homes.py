@@ -71,3 +71,19 @@ def test_partitioned_matrices_get_no_extra_home():
     """Extra homes only where a rank holds the matrix whole: nothing to gather for them."""
     tasks = [MatrixTask(64, 64, 5, 4, (2048, 2048, 0, 0)), MatrixTask(64, 64, 5, 4, (0, 0, 2048, 2048))]
     assert all(len(h) == 1 for h in plan_multi_homes(tasks, 4, SLOW_LINK))
+
+
+def test_slow_inter_node_link_keeps_results_inside_nodes():
+    """Two nodes of two ranks: with a slow link between nodes no result crosses it; with fast links
+    one home per matrix as before."""
+    from ds_muon.planner import pair_traffic
+
+    tasks = [MatrixTask(256, 256, 5, 2, (256 * 256,) * 4) for _ in range(8)]
+    slow_inter = CostModel(bytes_per_s=1e9, intra_bytes_per_s=1e12, ranks_per_node=2)
+    fast = CostModel(bytes_per_s=1e12, intra_bytes_per_s=1e12, ranks_per_node=2)
+    homes = plan_multi_homes(tasks, 4, slow_inter)
+    crossing = sum(n for t, hs in zip(tasks, homes) for (a, b), n in pair_traffic(t, hs).items()
+                   if slow_inter.node(a) != slow_inter.node(b))
+    assert crossing == 0, homes
+    assert all({slow_inter.node(h) for h in hs} == {0, 1} for hs in homes), homes  # NS on both nodes
+    assert all(len(h) == 1 for h in plan_multi_homes(tasks, 4, fast))

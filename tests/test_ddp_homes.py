@@ -87,3 +87,7 @@ def test_slow_inter_node_link_keeps_results_inside_nodes():
     assert crossing == 0, homes
     assert all({slow_inter.node(h) for h in hs} == {0, 1} for hs in homes), homes  # NS on both nodes
     assert all(len(h) == 1 for h in plan_multi_homes(tasks, 4, fast))
+    # the flat model at the inter-node rate recomputes everything everywhere; the node-aware one sends
+    # some results inside a node instead, where bytes are cheap
+    flat = plan_multi_homes(tasks, 4, CostModel(bytes_per_s=1e9))
+    assert sum(map(len, homes)) < sum(map(len, flat)) == 4 * len(tasks)

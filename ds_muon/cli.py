@@ -4,6 +4,7 @@
     ds-muon plan --hf-config config.json --layout replicated --json
     ds-muon shapes --hf-config config.json > configs/models/mine.json
     ds-muon plan --summary run.json            # a run's own matrices and holdings (Summary.save)
+    ds-muon plan --preset llama-70b --mesh replicate=64,shard=8 dp=64,tp=8 --ranks-per-node 8
 
 No GPUs, no processes: the same :func:`ds_muon.planner.plan_homes` the optimizer
 calls, fed with shapes and with what each rank would hold, next to the baselines
@@ -20,7 +21,7 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from . import costs
-from .planner import CostModel
+from .planner import CostModel, ranks_per_node_from_env
 
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 ALL_STRATEGIES = costs.STRATEGIES
@@ -118,8 +119,38 @@ def plot_rows(rows: List[dict], path: str) -> None:
     plt.close(fig)
 
 
+def mesh_table(shapes, meshes: Sequence[str], cm: CostModel, ns_steps: int = 5) -> List[dict]:
+    """Rows of :func:`ds_muon.costs.mesh_rows` for each mesh spec (``replicate=R,shard=S``, ``dp=D,tp=T``)."""
+    return [r for m in meshes for r in costs.mesh_rows([s for _, s in shapes], m, cm, ns_steps)]
+
+
+def _print_table(rows: List[dict]) -> None:
+    cols = list(rows[0].keys())
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("---" for _ in cols) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+
+
 def cmd_plan(args) -> int:
-    cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8, args.pcie_gbps * 1e9 / 8, args.offload)
+    rpn = args.ranks_per_node or ranks_per_node_from_env()
+    cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8, args.pcie_gbps * 1e9 / 8, args.offload,
+                   rpn, args.intra_gbps * 1e9 / 8)
+    if args.mesh:
+        if args.summary:
+            print("--mesh takes the shapes of --preset/--hf-config/--shapes, not --summary", file=sys.stderr)
+            return 2
+        shapes = load_shapes(args.preset, args.hf_config, args.shapes)
+        rows = mesh_table(shapes, args.mesh, cm, args.ns_steps)
+        if args.json:
+            json.dump(rows, sys.stdout, indent=1)
+            print()
+            return 0
+        print(f"{len(shapes)} matrices, NS {args.ns_steps} steps, {args.tflops:g} TFLOP/s per rank, "
+              + (f"{rpn} ranks per node, {args.intra_gbps:g} Gbit/s inside a node, {args.link_gbps:g} Gbit/s "
+                 "across nodes" if rpn else f"one flat {args.link_gbps:g} Gbit/s link (no --ranks-per-node)"))
+        _print_table(rows)
+        return 0
     rows = []
     if args.summary:  # the run's own world and holdings first, then any --world-sizes by --layout
         from .summary import Summary
@@ -144,11 +175,7 @@ def cmd_plan(args) -> int:
     print(f"{len(shapes)} matrices, {source}{args.layout} layout, NS {args.ns_steps} steps, "
           f"{args.tflops:g} TFLOP/s per rank, {args.link_gbps:g} Gbit/s per rank"
           + (f", optimizer state offloaded to the host ({args.pcie_gbps:g} Gbit/s host<->device)" if args.offload else ""))
-    cols = list(rows[0].keys())
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "|".join("---" for _ in cols) + "|")
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    _print_table(rows)
     return 0
 
 
@@ -174,7 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--world-sizes", type=int, nargs="+", help=f"default {DEFAULT_WORLD_SIZES} (none with --summary)")
     p.add_argument("--layout", choices=["replicated", "partitioned"], default="partitioned",
                    help="replicated: DDP; partitioned: ZeRO-1/2 or FSDP1 flat shards")
-    p.add_argument("--strategies", nargs="+", choices=ALL_STRATEGIES, default=list(ALL_STRATEGIES))
+    p.add_argument("--strategies", nargs="+", choices=ALL_STRATEGIES + costs.OPTIONAL, default=list(ALL_STRATEGIES),
+                   help="default: all but 'auto' (the optimizer's planner='auto'; slow to plan at thousands of ranks)")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
     p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
@@ -183,6 +211,13 @@ def main(argv=None) -> int:
                         "host<->device copies of its pieces and results (column max_host_bytes)")
     p.add_argument("--pcie-gbps", type=float, default=400.0,
                    help="host<->device Gbit/s per rank under --offload (default: 400, PCIe Gen5 x16 in practice)")
+    p.add_argument("--mesh", nargs="+", metavar="SPEC",
+                   help="model a 2-D mesh instead of --world-sizes: replicate=R,shard=S (HSDP) or dp=D,tp=T "
+                        "(FSDP x tensor parallel); rows per strategy with NS per rank and bytes inside/across nodes")
+    p.add_argument("--ranks-per-node", type=int,
+                   help="ranks per node for the intra/inter-node cost model (default: $LOCAL_WORLD_SIZE, else one flat link)")
+    p.add_argument("--intra-gbps", type=float, default=3200.0,
+                   help="Gbit/s per rank inside a node (default 3200: NVLink-class, 400 GB/s)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write a PNG of modelled step time and traffic against world size")
     p.set_defaults(fn=cmd_plan)

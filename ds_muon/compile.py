@@ -2,8 +2,8 @@
 
 Per matrix: the dtypes that cross the wire (lossless by default: what NS would cast
 to anyway), which matrices share one batched NS call (shape and NS settings), and
-its home (:func:`~ds_muon.planner.plan_homes`, or every rank in the duplicated
-baseline); then the matrices are cut into waves of about equal NS work.  The result
+its homes (:func:`~ds_muon.planner.plan_multi_homes`: one, or several where the cost model
+says duplicating NS beats sending the result; every rank in the duplicated baseline); then the matrices are cut into waves of about equal NS work.  The result
 depends only on the layout, the active matrices and the settings, so the optimizer
 compiles once per :func:`exchange_key` and reuses it (:class:`ExchangeCache`) while
 that key keeps coming back.
@@ -23,7 +23,7 @@ from .layout import Layout
 from .offload import HostNS, exchange_device, host_state
 from .newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients)
-from .planner import CostModel, MatrixTask, plan_homes
+from .planner import CostModel, MatrixTask, plan_multi_homes
 
 
 class NSSettings(NamedTuple):
@@ -209,8 +209,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
                            tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)), ns_at[i].method)
                 for i in idx
             ]
-            plan = plan_homes(tasks, layout.world_size, planner, cost_model)
-            homes = {i: (h,) for i, h in zip(idx, plan.homes)}
+            homes = dict(zip(idx, plan_multi_homes(tasks, layout.world_size, cost_model, planner)))
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
         for wave in split_waves(idx, cost, waves):
             compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group), ns_of))

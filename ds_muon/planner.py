@@ -10,20 +10,24 @@ exchanges, where bytes count everything r sends or receives.  ``strategy="lpt"``
 is the classic longest-processing-time rule on NS cost alone (the baseline);
 ``"locality"`` (default) runs the same LPT order but picks, for each matrix, the
 home that keeps the modelled slowest rank fastest, so a matrix the stack already
-delivered whole stays where it is unless moving it pays.
+delivered whole stays where it is unless moving it pays.  ``"auto"`` then gives
+replicated matrices extra homes where running NS again costs less than sending the
+result (:func:`plan_multi_homes`).  With ``CostModel.ranks_per_node`` bytes between
+nodes and inside a node go at their own rates (:func:`rank_seconds`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .newton_schulz import ns_flops
 
-STRATEGIES = ("locality", "lpt", "round_robin")
+STRATEGIES = ("locality", "lpt", "round_robin", "auto")  # auto: locality + extra homes (plan_multi_homes)
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,30 @@ class CostModel:
     bytes_per_s: float = 50e9
     pcie_bytes_per_s: float = 50e9
     offload: bool = False
+    ranks_per_node: Optional[int] = None  # None: one flat link (every byte at bytes_per_s)
+    intra_bytes_per_s: float = 400e9  # per rank inside a node (NVLink-class); bytes_per_s is then inter-node
+
+    def node(self, rank: int) -> int:
+        """The node of ``rank``: ranks are numbered node by node (torchrun's order)."""
+        return rank // self.ranks_per_node if self.ranks_per_node else 0
+
+    def link_seconds(self, intra: float, inter: float) -> float:
+        """Seconds for bytes moved inside a node and across nodes.  Flat model: both at ``bytes_per_s``."""
+        if not self.ranks_per_node:
+            return (intra + inter) / self.bytes_per_s
+        return intra / self.intra_bytes_per_s + inter / self.bytes_per_s
 
     def seconds(self, flops: float, bytes_moved: float, host_bytes: float = 0.0) -> float:
         """One rank's modelled step: its NS FLOPs plus every byte it sends or receives, plus
         (with ``offload``) every byte it copies between host and device."""
         pcie = host_bytes / self.pcie_bytes_per_s if self.offload else 0.0
         return flops / self.flops_per_s + bytes_moved / self.bytes_per_s + pcie
+
+
+def ranks_per_node_from_env(default: Optional[int] = None) -> Optional[int]:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun) when present, else ``default``."""
+    v = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(v) if v and v.isdigit() and int(v) > 0 else default
 
 
 @dataclass(frozen=True)
@@ -177,7 +199,7 @@ def plan_homes(
             load, r = heapq.heappop(heap)
             homes[i] = r
             heapq.heappush(heap, (load + tasks[i].flops, r))
-    else:
+    else:  # locality, and auto's first home
         homes = _plan_locality(tasks, world_size, cm)
     return Plan(world_size, homes, list(tasks), cm, strategy)
 
@@ -242,3 +264,122 @@ def _plan_locality(tasks: List[MatrixTask], world: int, cm: CostModel) -> List[i
         homes[i] = h
         per_home[i] = new
     return homes
+
+
+def pair_traffic(t: MatrixTask, homes: Sequence[int]) -> Dict[Tuple[int, int], float]:
+    """Elements from rank to rank for one matrix with one or more ``homes``, as the exchange
+    moves them: every home collects what it lacks from the holders (:func:`gather_traffic`'s
+    shares), then every other holder ``d`` gets its piece back from ``homes[d % len(homes)]``."""
+    out: Dict[Tuple[int, int], float] = defaultdict(float)
+    holders = [(r, n) for r, n in enumerate(t.held) if n > 0]
+    held = sum(n for _, n in holders)
+    for h in homes:
+        mine = t.held[h] if h < len(t.held) else 0
+        missing = t.numel - mine
+        if missing and held - mine:
+            for r, n in holders:
+                if r != h:
+                    out[(r, h)] += missing * n / (held - mine)
+    for d, n in holders:
+        if d not in homes:
+            out[(homes[d % len(homes)], d)] += n
+    return out
+
+
+def rank_seconds(t: MatrixTask, homes: Sequence[int], cm: CostModel) -> Dict[int, float]:
+    """Seconds one matrix costs each rank it touches: NS at its homes, and every byte each rank
+    sends or receives, inside a node or across nodes (:meth:`CostModel.link_seconds`)."""
+    intra: Dict[int, float] = defaultdict(float)
+    inter: Dict[int, float] = defaultdict(float)
+    for (a, b), n in pair_traffic(t, homes).items():
+        side = intra if cm.node(a) == cm.node(b) else inter
+        side[a] += n * t.elem_bytes
+        side[b] += n * t.elem_bytes
+    ranks = set(homes) | set(intra) | set(inter)
+    return {r: (t.flops / cm.flops_per_s if r in homes else 0.0) + cm.link_seconds(intra[r], inter[r])
+            for r in ranks}
+
+
+def plan_multi_homes(tasks: Sequence[MatrixTask], world_size: int, cost_model: Optional[CostModel] = None,
+                     strategy: str = "auto") -> List[Tuple[int, ...]]:
+    """Homes per matrix, several where the cost model says duplicating NS beats sending the result.
+
+    Starts from :func:`plan_homes`.  Only ``strategy="auto"`` goes on (the others keep one home):
+    while it shortens the modelled step, take the slowest rank and give one of the matrices it
+    touches more homes among the ranks already holding it whole (DDP replicas: nothing to gather),
+    which run the same NS and take over part of the scatter: that rank itself, the least-loaded
+    rank, or every whole holder at once (single steps cannot always get there: a new home also
+    takes over scatter targets).  A move is kept when the slowest rank gets faster, or stays as
+    fast while the ranks together spend less time (ties between equally slow ranks); then
+    :func:`_best_duplication` tries duplicating whole prefixes.  A pure function of its inputs:
+    every rank gets the same homes."""
+    cm = cost_model or CostModel()
+    plan = plan_homes(tasks, world_size, strategy, cm)
+    tasks = plan.tasks
+    homes: List[Tuple[int, ...]] = [(h,) for h in plan.homes]
+    if strategy != "auto" or world_size == 1:
+        return homes
+    t_rank = [0.0] * world_size
+    part = [rank_seconds(t, hs, cm) for t, hs in zip(tasks, homes)]
+    for p in part:
+        for r, v in p.items():
+            t_rank[r] += v
+    whole = [[r for r, n in enumerate(t.held) if n == t.numel] for t in tasks]
+    for _ in range(4 * len(tasks) + world_size):
+        b = max(range(world_size), key=lambda r: (t_rank[r], -r))
+        limit = t_rank[b]
+        best = None
+        for i, hs in enumerate(homes):
+            if b not in part[i]:
+                continue
+            spare = [r for r in whole[i] if r not in hs]
+            if not spare:
+                continue
+            # the slowest rank itself (it stops receiving this result) or the least-loaded holder
+            cands = [tuple(sorted(hs + (c,))) for c in sorted({min(spare, key=lambda r: (t_rank[r], r)),
+                                                               *([b] if b in spare else [])})]
+            cands.append(tuple(sorted(set(hs) | set(spare))))  # every whole holder: NS everywhere, no scatter
+            for new_hs in dict.fromkeys(cands):
+                new = rank_seconds(tasks[i], new_hs, cm)
+                after = {r: t_rank[r] - part[i].get(r, 0.0) + new.get(r, 0.0) for r in set(part[i]) | set(new)}
+                worst = max(after.values())
+                gain = sum(after.values()) - sum(t_rank[r] for r in after)  # < 0: less time in all
+                shorter = worst < limit * (1 - 1e-9)
+                if (shorter or (worst <= limit and gain < -1e-12 * limit)) and (best is None or (worst, gain) < best[:2]):
+                    best = (worst, gain, i, new_hs, new, after)
+        if best is None:
+            break
+        _, _, i, new_hs, new, after = best
+        for r, v in after.items():
+            t_rank[r] = v
+        homes[i], part[i] = new_hs, new
+    return _best_duplication(tasks, homes, whole, world_size, cm)
+
+
+def _step_seconds(tasks: Sequence[MatrixTask], homes: Sequence[Tuple[int, ...]], world: int, cm: CostModel) -> float:
+    t_rank = [0.0] * world
+    for t, hs in zip(tasks, homes):
+        for r, v in rank_seconds(t, hs, cm).items():
+            t_rank[r] += v
+    return max(t_rank)
+
+
+def _best_duplication(tasks, homes, whole, world: int, cm: CostModel) -> List[Tuple[int, ...]]:
+    """Local moves stall on ties between equally slow ranks; so also try duplicating (NS at every whole
+    holder) the 1, 2, 4, ... matrices where that saves the most time in all, and keep the fastest plan."""
+    def saving(i: int) -> float:
+        t = tasks[i]
+        return sum(rank_seconds(t, homes[i], cm).values()) - len(whole[i]) * t.flops / cm.flops_per_s
+
+    order = sorted((i for i in range(len(tasks)) if len(whole[i]) > len(homes[i]) and saving(i) > 0),
+                   key=lambda i: (-saving(i), i))
+    best, best_t = homes, _step_seconds(tasks, homes, world, cm)
+    k = 1
+    while order and k <= 2 * len(order):
+        dup = set(order[:k])
+        cand = [tuple(whole[i]) if i in dup else hs for i, hs in enumerate(homes)]
+        t = _step_seconds(tasks, cand, world, cm)
+        if t < best_t * (1 - 1e-9):
+            best, best_t = cand, t
+        k *= 2
+    return best

@@ -97,3 +97,75 @@ def test_extra_homes_count_the_gather_like_the_planner():
     assert single.bytes_sent == [8, 8] and single.bytes_received == [8, 8]  # 4 elements in, 4 back
     assert (dup_homes.bytes_sent, dup_homes.bytes_received, dup_homes.seconds) == \
         (single.bytes_sent, single.bytes_received, single.seconds)
+
+
+def test_mesh_hsdp_by_hand():
+    """One 64x64 matrix on replicate=2,shard=2, two ranks per node: each row's numbers by hand."""
+    cm = CostModel(ranks_per_node=2, intra_bytes_per_s=4e9, bytes_per_s=1e9)
+    t = MatrixTask(64, 64)
+    piece = 64 * 64 * 2 / 2
+    today = costs.hsdp_cost([t], 2, 2, "per_replica", cm)
+    assert today.ns_flops == [t.flops, 0.0, t.flops, 0.0]  # NS once per replica group
+    assert today.intra == [2 * piece] * 4 and today.inter == [0.0] * 4
+    once = costs.hsdp_cost([t], 2, 2, "one_home", cm)
+    assert once.ns_flops == [t.flops, 0.0, 0.0, 0.0]  # once in the world
+    assert once.intra == [2 * piece, 2 * piece, 0.0, 0.0]
+    assert once.inter == [piece] * 4  # home group forwards its pieces, the other replica receives them
+    dup = costs.hsdp_cost([t], 2, 2, "duplicated", cm)
+    assert dup.ns_flops == [t.flops] * 4 and dup.inter == [0.0] * 4
+
+
+def test_mesh_choice_follows_the_cost_model():
+    """NS once in the world when NS is dearer than the inter-node bytes, per replica group when not."""
+    tasks = [MatrixTask(512, 512)] * 8
+    slow_ns = CostModel(flops_per_s=1e12, bytes_per_s=1e12, ranks_per_node=4)
+    slow_net = CostModel(flops_per_s=1e15, bytes_per_s=1e6, ranks_per_node=4)
+    assert costs.dedupe_pays(tasks[0], slow_ns) and not costs.dedupe_pays(tasks[0], slow_net)
+    a = costs.hsdp_cost(tasks, 4, 4, "hierarchical", slow_ns)
+    b = costs.hsdp_cost(tasks, 4, 4, "hierarchical", slow_net)
+    assert a.step_seconds() == costs.hsdp_cost(tasks, 4, 4, "one_home", slow_ns).step_seconds()
+    assert b.step_seconds() == costs.hsdp_cost(tasks, 4, 4, "per_replica", slow_net).step_seconds()
+    assert max(b.inter) == 0 and max(a.ns_flops) < max(b.ns_flops)
+    for cm in (slow_ns, slow_net):  # never slower than either pure plan
+        h = costs.hsdp_cost(tasks, 4, 4, "hierarchical", cm).step_seconds()
+        assert h <= min(costs.hsdp_cost(tasks, 4, 4, s, cm).step_seconds() for s in ("one_home", "per_replica"))
+
+
+def test_plan_mesh_cli(capsys, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cli.main(["plan", "--preset", "gpt-125m", "--mesh", "replicate=4,shard=8", "dp=4,tp=8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["mesh"] for r in rows] == ["replicate=4,shard=8"] * 5 + ["dp=4,tp=8"] * 5
+    assert [r["strategy"] for r in rows[:5]] == list(costs.MESH_STRATEGIES)
+    hsdp = {r["strategy"]: r for r in rows[:5]}
+    assert hsdp["per_replica"]["max_inter_node_MB"] == 0  # shard groups inside a node
+    assert hsdp["one_home"]["ns_tflop_per_rank"] < hsdp["per_replica"]["ns_tflop_per_rank"]
+    assert hsdp["hierarchical"]["modelled_step_ms"] <= min(hsdp["one_home"]["modelled_step_ms"],
+                                                           hsdp["per_replica"]["modelled_step_ms"])
+    assert cli.main(["plan", "--preset", "gpt-125m", "--mesh", "replicate=4,shard=8", "--ranks-per-node", "8"]) == 0
+    assert "8 ranks per node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec", ["replicate=4", "pp=2,dp=4", "dp=x,tp=2", "dp=0,tp=8"])
+def test_bad_mesh_names_the_flag(spec):
+    with pytest.raises(ValueError, match="--mesh"):
+        costs.parse_mesh(spec)
+
+
+def test_auto_row_is_the_optimizers_plan():
+    """`--strategies auto` counts plan_multi_homes' homes: duplication for a small DDP model, where
+    one home per matrix must send every result to W-1 ranks."""
+    from ds_muon.planner import plan_multi_homes, rank_seconds
+
+    shapes = [(768, 768)] * 8 + [(3072, 768)] * 4
+    cm = CostModel()
+    tasks = costs.tasks_for(shapes, 8, "replicated")
+    rows = {r["strategy"]: r for r in costs.compare(tasks, 8, cm, ["locality", "duplicated", "auto"])}
+    homes = plan_multi_homes(tasks, 8, cm)
+    t_rank = [0.0] * 8
+    for t, hs in zip(tasks, homes):
+        for r, v in rank_seconds(t, hs, cm).items():
+            t_rank[r] += v
+    assert rows["auto"]["modelled_step_ms"] == round(max(t_rank) * 1e3, 4)
+    assert rows["auto"]["modelled_step_ms"] < rows["locality"]["modelled_step_ms"]
+    assert rows["auto"]["modelled_step_ms"] <= rows["duplicated"]["modelled_step_ms"]

@@ -157,3 +157,22 @@ def test_traffic_by_hand():
     every = gather_traffic(t, range(4))
     assert every == {0: [16 / 3 + 4.0 + 4.0, 8], 1: [16 / 3 + 4.0 + 4.0, 8], 2: [16 / 3 + 4.0 + 4.0, 8], 3: [0.0, 16]}
     assert gather_traffic(MatrixTask(2, 2, held=(4, 4)), [0, 1]) == {}  # replicated: nothing to gather
+
+
+def test_hierarchical_links_and_env(monkeypatch):
+    """Bytes between ranks of one node go at the intra-node rate, the rest at the inter-node rate."""
+    from ds_muon.planner import rank_seconds, ranks_per_node_from_env
+
+    flat = CostModel(bytes_per_s=1e9)
+    two = CostModel(bytes_per_s=1e9, intra_bytes_per_s=8e9, ranks_per_node=2)
+    assert flat.link_seconds(8e9, 1e9) == 9.0 and two.link_seconds(8e9, 1e9) == 2.0
+    assert [two.node(r) for r in range(4)] == [0, 0, 1, 1]
+    t = MatrixTask(32, 32, 5, 2, (1024,) * 4)  # replicated on 4 ranks, home 0 scatters 2 KiB to each
+    s = rank_seconds(t, (0,), two)
+    nbytes = 1024 * 2
+    assert s[1] == nbytes / 8e9 and s[2] == s[3] == nbytes / 1e9
+    assert s[0] == t.flops / two.flops_per_s + nbytes / 8e9 + 2 * nbytes / 1e9
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ranks_per_node_from_env() == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert ranks_per_node_from_env(4) == 4

@@ -191,7 +191,8 @@ class Summary:
 
 def _matrix_cells(m: MatrixRow, name: str) -> Tuple[str, str, str, str]:
     key = m.key[len(name):] if m.key.startswith(name) and m.key != name else m.key
-    homes = "all" if len(m.homes) > 1 else ",".join(map(str, m.homes))
+    # several homes: mode="duplicated" (every rank) or planner="auto"'s extra homes (some ranks)
+    homes = ",".join(map(str, m.homes)) if len(m.homes) <= 4 else f"{len(m.homes)} ranks"
     return (key if key != name else "", f"{m.shape[0]} x {m.shape[1]}", f"{m.scale:.4g}", homes)
 
 

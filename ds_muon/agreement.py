@@ -311,11 +311,13 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
                 meshes.setdefault(tuple(mesh.mesh.flatten().tolist()), mesh)
     if not meshes:
         return None
-    if len(meshes) > 1:
+    # sub-meshes of one mesh (FSDP2 x TP: TP weights on (dp, tp), the rest on dp) step in the one spanning them
+    spanning = [r for r in meshes if all(set(o) <= set(r) for o in meshes)]
+    if not spanning:
         raise ValueError(
             f"ds_muon: the DTensor parameters live on {len(meshes)} device meshes with different ranks "
             f"({sorted(meshes)[:2]} ...); pass Muon(..., process_group=) the group spanning all of them")
-    ranks, mesh = next(iter(meshes.items()))
+    ranks, mesh = spanning[0], meshes[spanning[0]]
     if sorted(ranks) == list(range(dist.get_world_size())):
         return None
     if mesh.ndim == 1:

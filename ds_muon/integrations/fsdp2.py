@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..layout import _DTENSOR, MatrixSlot, ParamBinding, Piece, matrix_shape
-from ..slots import block_slots
+from ..slots import block_slots, logical_blocks
 from ..tags import is_tagged, is_transposed
 from .base import BindContext
 
@@ -68,39 +69,83 @@ def _dtensor_flat(t: torch.Tensor) -> torch.Tensor:
     return local.view(-1) if local.is_contiguous() else local.reshape(-1)
 
 
-def _fsdp2_shard_dim(param, name: str) -> Optional[int]:
-    """The mesh dimension that shards ``param`` by rows, None when it is replicated on every dim."""
-    from torch.distributed.tensor import Replicate, Shard
+def _held_ranges(param, name: str) -> list:
+    """``[(lo, hi), ...]`` per tensor dim: the global index range this rank holds along it.
 
-    shard_dims = []
+    Read from DTensor's own shard arithmetic (``_get_shard_size_and_offsets``, the
+    helper behind ``compute_local_shape_and_global_offset``), applied mesh dim by mesh
+    dim as DTensor does, so ``Shard`` on any dim, ``_StridedShard`` (FSDP2 over TP) and
+    uneven or empty shards come out exactly as the local tensor holds them.  A shard
+    that is not one index range along a dim (a strided shard with interleaved rows) or
+    a ``Partial`` placement raises NotImplementedError.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = param.device_mesh
+    coord = mesh.get_coordinate()
+    shape = [int(s) for s in param.shape]
+    index = {}
     for mesh_dim, pl in enumerate(param.placements):
-        if type(pl) is Shard and pl.dim == 0:
-            shard_dims.append(mesh_dim)
-        elif not isinstance(pl, Replicate):
+        if isinstance(pl, Replicate):
+            continue
+        if not isinstance(pl, (Shard, _StridedShard)):
             raise NotImplementedError(
-                f"ds_muon: {name} is a DTensor placed {tuple(param.placements)} on mesh dims "
-                f"{param.device_mesh.mesh_dim_names or param.device_mesh.ndim}; ds_muon supports FSDP2/HSDP "
-                f"row sharding only (Shard(0), optionally with Replicate()), not {pl}. Put this tensor in an "
-                "AdamW group (use_muon=False) or shard it with fully_shard's default placement"
-            )
-    if len(shard_dims) > 1:
+                f"ds_muon: {name} is a DTensor placed {tuple(param.placements)}; ds_muon supports Shard, "
+                f"_StridedShard and Replicate placements, not {pl}. Put this tensor in an AdamW group "
+                "(use_muon=False)")
+        d = pl.dim
+        size, idx = _get_shard_size_and_offsets(shape[d], mesh.size(mesh_dim), coord[mesh_dim], pl,
+                                                index.get(d), int(param.shape[d]), False)
+        shape[d] = int(size)
+        index[d] = idx[:int(size)]
+    ranges = []
+    for d, n in enumerate(param.shape):
+        if d not in index:
+            ranges.append((0, int(n)))
+            continue
+        idx = [int(i) for i in index[d].tolist()]
+        if not idx:
+            ranges.append((0, 0))
+        elif idx != list(range(idx[0], idx[0] + len(idx))):
+            raise NotImplementedError(
+                f"ds_muon: {name} is placed {tuple(param.placements)} on mesh {tuple(mesh.shape)}; this rank "
+                f"holds indices {idx[:4]}... of dim {d}, not one range, which ds_muon cannot describe yet. "
+                "Put this tensor in an AdamW group (use_muon=False)")
+        else:
+            ranges.append((idx[0], idx[-1] + 1))
+    return ranges
+
+
+def _mesh_group(mesh, name: str):
+    """The process group over every rank of ``mesh``: a matrix is planned once over all of them
+    (replicas hold identical pieces and get the result fanned out)."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if dist.is_initialized() and ranks == list(range(dist.get_world_size())):
+        return None  # the default group: every world rank
+    if not mesh.mesh_dim_names:
         raise NotImplementedError(
-            f"ds_muon: {name} is sharded by rows on {len(shard_dims)} mesh dims {tuple(param.placements)}; "
-            "ds_muon supports one Shard(0) mesh dim (FSDP2, or HSDP's (Replicate(), Shard(0)))"
-        )
-    return shard_dims[0] if shard_dims else None
+            f"ds_muon: {name} lives on a {mesh.ndim}-D DeviceMesh without mesh_dim_names that does not span "
+            "the world; name its dims (init_device_mesh(..., mesh_dim_names=...)) so its ranks can be flattened")
+    return mesh._flatten().get_group(0)  # DeviceMesh caches it: one group per mesh
 
 
 def bind_fsdp2(param, name: str) -> ParamBinding:
-    """A DTensor parameter sharded ``Shard(0)`` (FSDP2/HSDP): this rank's row range."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    """A DTensor parameter on any mesh (FSDP2, HSDP, FSDP2 x TP): this rank's block of it.
 
+    The block is the row range x column range the placements give this rank
+    (:func:`_held_ranges`): a contiguous range of the row-major flattening when
+    the columns are whole (``Shard(0)``, ``_StridedShard(0)``), a column block when a
+    mesh dim shards dim 1 (TP ``RowwiseParallel``).  The group spans the whole mesh.
+    """
     if param.ndim < 2:
         raise ValueError(
             f"ds_muon: {name} has shape {tuple(param.shape)}; Muon needs matrices (ndim >= 2). Put it in an "
             "AdamW group (use_muon=False), e.g. with ds_muon.muon_param_groups(model)"
         )
-    shard_dim = _fsdp2_shard_dim(param, name)
     mesh = param.device_mesh
     local = param.to_local()
     if not local.is_contiguous():
@@ -108,18 +153,37 @@ def bind_fsdp2(param, name: str) -> ParamBinding:
             f"ds_muon: the local shard of {name} is not contiguous (strides {local.stride()}); Muon updates "
             "it in place through a flat view"
         )
-    local_shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
-    if tuple(local_shape) != tuple(local.shape):
+    ranges = _held_ranges(param, name)
+    if tuple(hi - lo for lo, hi in ranges) != tuple(local.shape):
         raise ValueError(
-            f"ds_muon: {name}: the DTensor's placements say the local shard is {tuple(local_shape)} but it "
-            f"is {tuple(local.shape)}; the shard does not match its metadata"
+            f"ds_muon: {name}: the DTensor's placements say the local shard is "
+            f"{tuple(hi - lo for lo, hi in ranges)} but it is {tuple(local.shape)}; the shard does not match "
+            "its metadata"
         )
-    _, cols = matrix_shape(param.shape)
-    rows_local = int(local_shape[0])
-    piece = Piece(int(offset[0]) * cols, rows_local * cols) if rows_local * cols > 0 else None
-    group = mesh.get_group(shard_dim if shard_dim is not None else 0)
-    if is_tagged(param):  # split rows / experts: blocks clipped to this rank's row range
-        lo = int(offset[0]) * cols
-        return ParamBinding(param, _dtensor_flat, block_slots(param, name, lo, lo + rows_local * cols), group=group)
-    return ParamBinding(param, _dtensor_flat, [MatrixSlot(name, tuple(param.shape), piece, 0, transposed=is_transposed(param))],
-                        group=group)
+    if any(r != (0, int(n)) for r, n in zip(ranges[2:], param.shape[2:])) or (
+            param.ndim > 2 and ranges[1] != (0, int(param.shape[1]))):
+        raise NotImplementedError(
+            f"ds_muon: {name} of shape {tuple(param.shape)} is sharded along a dim past 0 "
+            f"({tuple(param.placements)}); ds_muon describes column shards of 2-D matrices only. "
+            "Put this tensor in an AdamW group (use_muon=False)")
+    group = _mesh_group(mesh, name)
+    (r0, r1) = ranges[0]
+    rows, cols = matrix_shape(param.shape)
+    c0, c1 = ranges[1] if param.ndim == 2 else (0, cols)
+    if c0 == 0 and c1 == cols:  # whole rows: a contiguous range of the flattening
+        lo, hi = r0 * cols, r1 * cols
+        if is_tagged(param):  # split rows / experts: blocks clipped to this rank's row range
+            return ParamBinding(param, _dtensor_flat, block_slots(param, name, lo, hi), group=group)
+        piece = Piece(lo, hi - lo) if hi > lo else None
+        return ParamBinding(param, _dtensor_flat,
+                            [MatrixSlot(name, tuple(param.shape), piece, 0, transposed=is_transposed(param))],
+                            group=group)
+    slots = []  # a column block [r0:r1, c0:c1], clipped to each logical block (split rows)
+    for key, bshape, start in logical_blocks(param, name):
+        b0 = start // cols
+        b1 = b0 + matrix_shape(bshape)[0]
+        a, b = max(r0, b0), min(r1, b1)
+        piece = Piece.block((b1 - b0, cols), a - b0, b - b0, c0, c1) if a < b and c1 > c0 else None
+        slots.append(MatrixSlot(key, tuple(bshape), piece, (a - r0) * (c1 - c0) if piece else 0,
+                                transposed=is_transposed(param)))
+    return ParamBinding(param, _dtensor_flat, slots, group=group)

@@ -1,0 +1,137 @@
+"""ds_muon on 2-D DTensor meshes at W=4: HSDP 2x2 and FSDP2 x tensor parallel 2x2.
+
+Each rank trains a small gated MLP wrapped by torch's own APIs (``fully_shard`` on a
+``(replicate, shard)`` mesh; ``parallelize_module`` with ColwiseParallel/RowwiseParallel
+on the ``tp`` dim, then ``fully_shard`` on ``dp``), with uneven shards everywhere.  TP's
+forward sums partial products in another order than one matmul, so the reference is
+not a single-process forward: every rank records the full gradients its step saw and
+the full parameters after it, and a single-process ds_muon fed those gradients must
+produce ``torch.equal`` parameters (fp32 and bf16 Newton–Schulz).  HSDP also checks
+that each matrix is orthogonalized once in the whole world, not once per replica.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ds_muon
+
+import dist_harness
+
+OPTS = dict(lr=0.02, adam_lr=3e-3, weight_decay=0.1, adam_weight_decay=0.01)
+STEPS = 2
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class GatedMLP(nn.Module):
+    """Llama-style FFN (w_in, w_gate column-parallel; w_out row-parallel) and an untouched proj.
+    Uneven: 22 hidden rows split 11/11 by TP then 6/5 by FSDP; 13 output rows split 7/6."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.w_in = nn.Linear(10, 22, bias=False)
+        self.w_gate = nn.Linear(10, 22, bias=False)
+        self.w_out = nn.Linear(22, 13, bias=False)
+        self.proj = nn.Linear(13, 9)
+
+    def forward(self, x):
+        return self.proj(torch.relu(self.w_out(torch.nn.functional.silu(self.w_gate(x)) * self.w_in(x))))
+
+
+def _batch(step):
+    return torch.randn(6, 10, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _wrap(kind, model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)
+        return
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"w_in": ColwiseParallel(), "w_gate": ColwiseParallel(),
+                                           "w_out": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _ns_work(opt, rank):
+    """(NS FLOPs this rank runs per step, {matrix: (home ranks, FLOPs of one NS run)}) from summary()."""
+    s = opt.summary()
+    return (sum(r.ns_flops for r in s.ranks if r.rank == rank),
+            {m.key: (tuple(m.homes), m.ns_flops) for m in s.matrices})
+
+
+def _worker(rank, world, kind):
+    out = {}
+    for ns_dtype in DTYPES:
+        model = GatedMLP()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        _wrap(kind, model)
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype)
+        grads, params = [], []
+        for step in range(STEPS):
+            model(_batch(step)).square().mean().backward()
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+        out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=_ns_work(opt, rank),
+                             placements={n: str(p.placements) for n, p in model.named_parameters()})
+    return out
+
+
+def _reference(init, grads, ns_dtype):
+    """Single-process ds_muon on plain tensors fed the gradients the sharded run saw."""
+    with dist_harness.one_thread():
+        model = GatedMLP()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(init[n])
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype)
+        after = []
+        for g in grads:
+            for n, p in model.named_parameters():
+                p.grad = g[n].clone()
+            opt.step()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return after
+
+
+def _check_parity(results):
+    for ns_dtype in DTYPES:
+        for rank, res in enumerate(results):
+            r = res[ns_dtype]
+            want = _reference(r["init"], r["grads"], ns_dtype)
+            for step, (got, ref) in enumerate(zip(r["params"], want)):
+                for n in ref:
+                    assert torch.equal(got[n], ref[n]), (
+                        f"{ns_dtype} rank {rank} step {step} {n} ({r['placements'][n]}): "
+                        f"max diff {(got[n] - ref[n]).abs().max().item():.3g}")
+
+
+def test_fsdp2_tp_2x2_matches_single_process():
+    results = dist_harness.run(_worker, 4, "fsdp_tp", timeout=120)
+    placements = results[0][torch.float32]["placements"]
+    assert "_StridedShard" in placements["w_in.weight"], placements  # TP Shard(0) then FSDP Shard(0)
+    assert "Shard(dim=1)" in placements["w_out.weight"], placements  # TP Shard(1), FSDP Shard(0)
+    _check_parity(results)
+
+
+def test_hsdp_2x2_matches_single_process_and_orthogonalizes_once():
+    results = dist_harness.run(_worker, 4, "hsdp", timeout=120)
+    _check_parity(results)
+    for ns_dtype in DTYPES:
+        per_rank = [res[ns_dtype]["ns_work"][0] for res in results]
+        matrices = results[0][ns_dtype]["ns_work"][1]
+        assert sorted(matrices) == ["proj.weight", "w_gate.weight", "w_in.weight", "w_out.weight"], matrices
+        # every matrix has one home in the whole world (each replica group used to run all of them:
+        # twice this at 2 replicas), and the ranks together run exactly those NS
+        assert all(len(homes) == 1 for homes, _ in matrices.values()), matrices
+        once = sum(f for _, f in matrices.values())
+        assert once > 0 and sum(per_rank) == once, (per_rank, once)

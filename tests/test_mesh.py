@@ -135,3 +135,37 @@ def test_hsdp_2x2_matches_single_process_and_orthogonalizes_once():
         assert all(len(homes) == 1 for homes, _ in matrices.values()), matrices
         once = sum(f for _, f in matrices.values())
         assert once > 0 and sum(per_rank) == once, (per_rank, once)
+
+
+def _unsupported_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    cases = {  # rows 0 and 2 on rank 0 (row 1 on rank 1): not one range; a conv weight sharded along its input channels
+        "interleaved": ((3, 4), [_StridedShard(0, split_factor=2)]),
+        "dim1_of_3d": ((4, 6, 3), [Shard(1)]),
+    }
+    out = {}
+    for case, (shape, placements) in cases.items():
+        local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        stride = torch.empty(shape).stride()
+        p = nn.Parameter(DTensor.from_local(torch.randn(local_shape), mesh, placements, shape=shape, stride=stride,
+                                            run_check=False))
+        p.grad = torch.zeros_like(p)
+        opt = ds_muon.Muon([p], lr=0.02)
+        try:
+            opt.step()
+            out[case] = None
+        except NotImplementedError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_unsupported_placements_raise_on_every_rank():
+    results = dist_harness.run(_unsupported_worker, 2, timeout=60)
+    for res in results:
+        assert "not one range" in res["interleaved"], res
+        assert "sharded along a dim past 0" in res["dim1_of_3d"], res

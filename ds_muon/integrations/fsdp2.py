@@ -12,6 +12,8 @@ is final there.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -76,43 +78,57 @@ def _held_ranges(param, name: str) -> list:
     helper behind ``compute_local_shape_and_global_offset``), applied mesh dim by mesh
     dim as DTensor does, so ``Shard`` on any dim, ``_StridedShard`` (FSDP2 over TP) and
     uneven or empty shards come out exactly as the local tensor holds them.  A shard
-    that is not one index range along a dim (a strided shard with interleaved rows) or
-    a ``Partial`` placement raises NotImplementedError.
+    that is not one index range along a dim (a ``_StridedShard`` that interleaves rows)
+    or a ``Partial`` placement raises NotImplementedError, on every rank: with a strided
+    placement every mesh coordinate is checked (once per shape and placement).
     """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = param.device_mesh
+    shape, mesh_shape, placements = tuple(int(s) for s in param.shape), tuple(mesh.shape), tuple(param.placements)
+    if any(isinstance(pl, _StridedShard) for pl in placements):
+        _check_every_coordinate(shape, mesh_shape, placements, name)
+    return _ranges_at(shape, mesh_shape, placements, tuple(mesh.get_coordinate()), name)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_every_coordinate(shape, mesh_shape, placements, name: str) -> None:
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        _ranges_at(shape, mesh_shape, placements, coord, name)
+
+
+def _ranges_at(shape, mesh_shape, placements, coord, name: str) -> list:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = param.device_mesh
-    coord = mesh.get_coordinate()
-    shape = [int(s) for s in param.shape]
+    sizes = list(shape)
     index = {}
-    for mesh_dim, pl in enumerate(param.placements):
+    for mesh_dim, pl in enumerate(placements):
         if isinstance(pl, Replicate):
             continue
         if not isinstance(pl, (Shard, _StridedShard)):
             raise NotImplementedError(
-                f"ds_muon: {name} is a DTensor placed {tuple(param.placements)}; ds_muon supports Shard, "
-                f"_StridedShard and Replicate placements, not {pl}. Put this tensor in an AdamW group "
-                "(use_muon=False)")
+                f"ds_muon: {name} is a DTensor placed {placements}; ds_muon supports Shard, _StridedShard and "
+                f"Replicate placements, not {pl}. Put this tensor in an AdamW group (use_muon=False)")
         d = pl.dim
-        size, idx = _get_shard_size_and_offsets(shape[d], mesh.size(mesh_dim), coord[mesh_dim], pl,
-                                                index.get(d), int(param.shape[d]), False)
-        shape[d] = int(size)
+        size, idx = _get_shard_size_and_offsets(sizes[d], mesh_shape[mesh_dim], coord[mesh_dim], pl,
+                                                index.get(d), shape[d], False)
+        sizes[d] = int(size)
         index[d] = idx[:int(size)]
     ranges = []
-    for d, n in enumerate(param.shape):
+    for d, n in enumerate(shape):
         if d not in index:
-            ranges.append((0, int(n)))
+            ranges.append((0, n))
             continue
         idx = [int(i) for i in index[d].tolist()]
         if not idx:
             ranges.append((0, 0))
         elif idx != list(range(idx[0], idx[0] + len(idx))):
             raise NotImplementedError(
-                f"ds_muon: {name} is placed {tuple(param.placements)} on mesh {tuple(mesh.shape)}; this rank "
-                f"holds indices {idx[:4]}... of dim {d}, not one range, which ds_muon cannot describe yet. "
-                "Put this tensor in an AdamW group (use_muon=False)")
+                f"ds_muon: {name} is placed {placements} on a mesh of shape {mesh_shape}; the rank at mesh "
+                f"coordinate {tuple(coord)} holds indices {idx[:4]}... of dim {d}, not one range, which ds_muon "
+                "cannot describe yet. Put this tensor in an AdamW group (use_muon=False)")
         else:
             ranges.append((idx[0], idx[-1] + 1))
     return ranges

@@ -67,12 +67,25 @@ def _ns_work(opt, rank):
             {m.key: (tuple(m.homes), m.ns_flops) for m in s.matrices})
 
 
-def _worker(rank, world, kind):
+SPLITS = {"w_in.weight": {"q": 9, "k": 13}, "w_out.weight": {"a": 5, "b": 8}}  # blocks across shard borders
+
+
+def _split(model):
+    """Fused projections: row blocks orthogonalized apart (ds_muon.split_rows), on strided row shards
+    (w_in) and on column blocks (w_out)."""
+    params = dict(model.named_parameters())
+    for n, sizes in SPLITS.items():
+        ds_muon.split_rows(params[n], sizes)
+
+
+def _worker(rank, world, kind, split=False):
     out = {}
     for ns_dtype in DTYPES:
         model = GatedMLP()
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
         _wrap(kind, model)
+        if split:
+            _split(model)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype)
         grads, params = [], []
         for step in range(STEPS):
@@ -81,15 +94,17 @@ def _worker(rank, world, kind):
             opt.step()
             opt.zero_grad(set_to_none=True)
             params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
-        out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=_ns_work(opt, rank),
+        out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=_ns_work(opt, rank), split=split,
                              placements={n: str(p.placements) for n, p in model.named_parameters()})
     return out
 
 
-def _reference(init, grads, ns_dtype):
+def _reference(init, grads, ns_dtype, split):
     """Single-process ds_muon on plain tensors fed the gradients the sharded run saw."""
     with dist_harness.one_thread():
         model = GatedMLP()
+        if split:
+            _split(model)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(init[n])
@@ -107,7 +122,7 @@ def _check_parity(results):
     for ns_dtype in DTYPES:
         for rank, res in enumerate(results):
             r = res[ns_dtype]
-            want = _reference(r["init"], r["grads"], ns_dtype)
+            want = _reference(r["init"], r["grads"], ns_dtype, r["split"])
             for step, (got, ref) in enumerate(zip(r["params"], want)):
                 for n in ref:
                     assert torch.equal(got[n], ref[n]), (
@@ -120,6 +135,13 @@ def test_fsdp2_tp_2x2_matches_single_process():
     placements = results[0][torch.float32]["placements"]
     assert "_StridedShard" in placements["w_in.weight"], placements  # TP Shard(0) then FSDP Shard(0)
     assert "Shard(dim=1)" in placements["w_out.weight"], placements  # TP Shard(1), FSDP Shard(0)
+    _check_parity(results)
+
+
+def test_fsdp2_tp_2x2_split_rows_matches_single_process():
+    results = dist_harness.run(_worker, 4, "fsdp_tp", True, timeout=120)
+    keys = results[0][torch.float32]["ns_work"][1]
+    assert {"w_in.weight[q]", "w_in.weight[k]", "w_out.weight[a]", "w_out.weight[b]"} <= set(keys), keys
     _check_parity(results)
 
 

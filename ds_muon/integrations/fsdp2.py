@@ -1,13 +1,14 @@
-"""PyTorch FSDP2 (``fully_shard``): parameters are DTensors sharded by rows.
+"""PyTorch FSDP2 (``fully_shard``) on any DTensor mesh: FSDP, HSDP, FSDP2 x TP.
 
-Parameters are DTensors sharded ``Shard(0)`` over the shard dimension of their
-mesh (HSDP: ``(Replicate(), Shard(0))``).  A rank holds a contiguous row range
-(uneven, possibly empty) = a contiguous range of the row-major flattening.
-Updates go into ``p.to_local()``, a view of the storage FSDP all-gathers from.
-The Layout's group is the shard dimension's process group, so HSDP replicas
-each plan the same homes within their own shard group.  FSDP2 reduce-scatters a
-gradient before the parameter's post-accumulate-grad hook fires, so the gradient
-is final there.
+What a rank holds of a parameter is read from DTensor's own shard arithmetic
+(placement after placement, ``Shard``, ``_StridedShard``, ``Replicate``): a row
+range (a contiguous range of the row-major flattening) or, when a mesh dim shards
+the columns (TP ``RowwiseParallel``), a column block.  Updates go into
+``p.to_local()``, a view of the storage FSDP all-gathers from.  The Layout's group
+spans the whole mesh: replicas (HSDP) hold identical pieces, so each matrix gets
+one home in the world and its result is fanned out to every replica.  FSDP2
+reduce-scatters a gradient before the parameter's post-accumulate-grad hook fires,
+so the gradient is final there.
 """
 
 from __future__ import annotations

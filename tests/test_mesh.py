@@ -78,7 +78,7 @@ def _split(model):
         ds_muon.split_rows(params[n], sizes)
 
 
-def _worker(rank, world, kind, split=False):
+def _worker(rank, world, kind, split=False, overlap=False):
     out = {}
     for ns_dtype in DTYPES:
         model = GatedMLP()
@@ -86,13 +86,15 @@ def _worker(rank, world, kind, split=False):
         _wrap(kind, model)
         if split:
             _split(model)
-        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype)
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype,
+                           overlap=overlap, model=model if overlap else None)
         grads, params = [], []
         for step in range(STEPS):
             model(_batch(step)).square().mean().backward()
             grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad(set_to_none=True)
+            opt.flush()  # overlap=True lands updates in the next forward
             params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
         out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=_ns_work(opt, rank), split=split,
                              placements={n: str(p.placements) for n, p in model.named_parameters()})
@@ -142,6 +144,12 @@ def test_fsdp2_tp_2x2_split_rows_matches_single_process():
     results = dist_harness.run(_worker, 4, "fsdp_tp", True, timeout=120)
     keys = results[0][torch.float32]["ns_work"][1]
     assert {"w_in.weight[q]", "w_in.weight[k]", "w_out.weight[a]", "w_out.weight[b]"} <= set(keys), keys
+    _check_parity(results)
+
+
+def test_fsdp2_tp_2x2_overlap_matches_single_process():
+    """overlap=True: from the second step the gather starts in FSDP2's post-reduce-scatter hook."""
+    results = dist_harness.run(_worker, 4, "fsdp_tp", False, True, timeout=120)
     _check_parity(results)
 
 

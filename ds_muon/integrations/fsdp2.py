@@ -88,17 +88,28 @@ def _held_ranges(param, name: str) -> list:
     mesh = param.device_mesh
     shape, mesh_shape, placements = tuple(int(s) for s in param.shape), tuple(mesh.shape), tuple(param.placements)
     if any(isinstance(pl, _StridedShard) for pl in placements):
-        _check_every_coordinate(shape, mesh_shape, placements, name)
-    return _ranges_at(shape, mesh_shape, placements, tuple(mesh.get_coordinate()), name)
+        bad = _first_split_coordinate(shape, mesh_shape, placements)
+        if bad is not None:
+            coord, d, idx = bad
+            raise NotImplementedError(
+                f"ds_muon: {name} is placed {placements} on a mesh of shape {mesh_shape}; the rank at mesh "
+                f"coordinate {coord} holds indices {idx[:4]}... of dim {d}, not one range, which ds_muon "
+                "cannot describe yet. Put this tensor in an AdamW group (use_muon=False)")
+    return _ranges_at(shape, mesh_shape, placements, tuple(mesh.get_coordinate()), name)  # Shard chains: ranges
 
 
 @functools.lru_cache(maxsize=256)
-def _check_every_coordinate(shape, mesh_shape, placements, name: str) -> None:
+def _first_split_coordinate(shape, mesh_shape, placements):
+    """``(coordinate, dim, indices)`` of the first rank whose shard is not one range along a dim."""
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        _ranges_at(shape, mesh_shape, placements, coord, name)
+        for d, r in enumerate(_ranges_at(shape, mesh_shape, placements, coord, "")):
+            if not isinstance(r, tuple):
+                return coord, d, r
+    return None
 
 
 def _ranges_at(shape, mesh_shape, placements, coord, name: str) -> list:
+    """Per tensor dim, ``(lo, hi)`` held at mesh ``coord``, or the list of indices when not one range."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -126,10 +137,7 @@ def _ranges_at(shape, mesh_shape, placements, coord, name: str) -> list:
         if not idx:
             ranges.append((0, 0))
         elif idx != list(range(idx[0], idx[0] + len(idx))):
-            raise NotImplementedError(
-                f"ds_muon: {name} is placed {placements} on a mesh of shape {mesh_shape}; the rank at mesh "
-                f"coordinate {tuple(coord)} holds indices {idx[:4]}... of dim {d}, not one range, which ds_muon "
-                "cannot describe yet. Put this tensor in an AdamW group (use_muon=False)")
+            ranges.append(idx)
         else:
             ranges.append((idx[0], idx[-1] + 1))
     return ranges
@@ -163,6 +171,11 @@ def bind_fsdp2(param, name: str) -> ParamBinding:
             f"ds_muon: {name} has shape {tuple(param.shape)}; Muon needs matrices (ndim >= 2). Put it in an "
             "AdamW group (use_muon=False), e.g. with ds_muon.muon_param_groups(model)"
         )
+    if any(getattr(pl, "dim", 0) >= (1 if param.ndim > 2 else 2) for pl in param.placements):
+        raise NotImplementedError(
+            f"ds_muon: {name} of shape {tuple(param.shape)} is sharded along a dim past 0 "
+            f"({tuple(param.placements)}); ds_muon describes column shards of 2-D matrices only. "
+            "Put this tensor in an AdamW group (use_muon=False)")
     mesh = param.device_mesh
     local = param.to_local()
     if not local.is_contiguous():
@@ -177,15 +190,9 @@ def bind_fsdp2(param, name: str) -> ParamBinding:
             f"{tuple(hi - lo for lo, hi in ranges)} but it is {tuple(local.shape)}; the shard does not match "
             "its metadata"
         )
-    if any(r != (0, int(n)) for r, n in zip(ranges[2:], param.shape[2:])) or (
-            param.ndim > 2 and ranges[1] != (0, int(param.shape[1]))):
-        raise NotImplementedError(
-            f"ds_muon: {name} of shape {tuple(param.shape)} is sharded along a dim past 0 "
-            f"({tuple(param.placements)}); ds_muon describes column shards of 2-D matrices only. "
-            "Put this tensor in an AdamW group (use_muon=False)")
     group = _mesh_group(mesh, name)
     (r0, r1) = ranges[0]
-    rows, cols = matrix_shape(param.shape)
+    cols = matrix_shape(param.shape)[1]
     c0, c1 = ranges[1] if param.ndim == 2 else (0, cols)
     if c0 == 0 and c1 == cols:  # whole rows: a contiguous range of the flattening
         lo, hi = r0 * cols, r1 * cols

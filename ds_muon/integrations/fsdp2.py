@@ -34,9 +34,24 @@ class Fsdp2Adapter:
 
     def __init__(self):
         self._units: Optional[tuple] = None  # (id(model), ids of the parameters of its fully_shard units)
+        self._meshes: Optional[tuple] = None  # (ids of model and param group, meshes of their DTensors)
 
     def bind(self, param: torch.Tensor, name: str, context: BindContext) -> ParamBinding:
-        return bind_fsdp2(param, name)
+        return bind_fsdp2(param, name, _planning_mesh(param, self._used_meshes(context)))
+
+    def _used_meshes(self, context: BindContext) -> list:
+        """The device meshes of the DTensors of ``context.model`` and of the param group (cached)."""
+        key = (id(context.model), id(context.options))
+        if self._meshes is None or self._meshes[0] != key:
+            tensors = list(context.model.parameters()) if context.model is not None else []
+            tensors += list(context.options.get("params", ()))
+            meshes = {}
+            for t in tensors:
+                mesh = getattr(t, "device_mesh", None) if is_dtensor(t) else None
+                if mesh is not None:
+                    meshes.setdefault(_ranks(mesh), mesh)
+            self._meshes = (key, [meshes[r] for r in sorted(meshes)])
+        return self._meshes[1]
 
     def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
         """For a parameter of a ``fully_shard`` unit of ``context.model``: FSDP2 calls the hook
@@ -143,6 +158,31 @@ def _ranges_at(shape, mesh_shape, placements, coord, name: str) -> list:
     return ranges
 
 
+def _ranks(mesh) -> tuple:
+    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+def _planning_mesh(param, used: list):
+    """The mesh a parameter's matrices are planned over: the largest mesh the model uses that
+    contains every rank of the parameter's own mesh and comes from the same root mesh.
+
+    FSDP2 x TP leaves the parameters TP does not touch on the ``dp`` sub-mesh: each ``tp``
+    coordinate holds an identical copy (replicas), so planning them over the whole
+    ``(dp, tp)`` mesh gives each matrix one home in the world instead of one per ``tp``
+    group.  Every rank of that mesh holds the same model, so the choice is the same on
+    every rank (``build_layout`` checks it).
+    """
+    mesh = param.device_mesh
+    own, root = set(_ranks(mesh)), mesh._get_root_mesh()
+    best = mesh
+    for other in used:
+        ranks = _ranks(other)
+        if (other._get_root_mesh() is root and own < set(ranks)
+                and (len(ranks), ranks) > (len(_ranks(best)), _ranks(best))):
+            best = other
+    return best
+
+
 def _mesh_group(mesh, name: str):
     """The process group over every rank of ``mesh``: a matrix is planned once over all of them
     (replicas hold identical pieces and get the result fanned out)."""
@@ -158,7 +198,7 @@ def _mesh_group(mesh, name: str):
     return mesh._flatten().get_group(0)  # DeviceMesh caches it: one group per mesh
 
 
-def bind_fsdp2(param, name: str) -> ParamBinding:
+def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
     """A DTensor parameter on any mesh (FSDP2, HSDP, FSDP2 x TP): this rank's block of it.
 
     The block is the row range x column range the placements give this rank
@@ -190,7 +230,7 @@ def bind_fsdp2(param, name: str) -> ParamBinding:
             f"{tuple(hi - lo for lo, hi in ranges)} but it is {tuple(local.shape)}; the shard does not match "
             "its metadata"
         )
-    group = _mesh_group(mesh, name)
+    group = _mesh_group(plan_mesh if plan_mesh is not None else mesh, name)
     (r0, r1) = ranges[0]
     cols = matrix_shape(param.shape)[1]
     c0, c1 = ranges[1] if param.ndim == 2 else (0, cols)

@@ -35,3 +35,115 @@ def test_fsdp2_tp_untouched_params_orthogonalized_once_in_the_world():
         assert all(len(homes) == 1 for homes, _ in matrices.values()), matrices
         once = sum(f for _, f in matrices.values())
         assert once > 0 and sum(per_rank) == once, (per_rank, once)
+
+
+E, OUT, IN = 3, 8, 5  # uneven: experts 2/1 over ep (FSDP2 refuses an uneven Shard(1): rows 4/4 over dp)
+
+
+class FusedExperts(torch.nn.Module):
+    """A fused experts stack ``[E, out, in]`` (each ep rank runs its own experts) and a dense proj."""
+
+    def __init__(self, ep_group=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.Parameter(torch.randn(E, OUT, IN) / IN ** 0.5)
+        self.proj = torch.nn.Linear(OUT, 4)
+        self.ep_group = ep_group
+
+    def forward(self, x):
+        if self.ep_group is None:
+            return self.proj(torch.relu(torch.einsum("bi,eoi->bo", x, self.experts)))
+        from torch.distributed.nn.functional import all_reduce
+
+        y = torch.einsum("bi,eoi->bo", x, self.experts.to_local())  # this ep rank's experts
+        return self.proj(torch.relu(all_reduce(y, group=self.ep_group)))  # every expert's sum on every rank
+
+
+def _ep_batch(step):
+    return torch.randn(6, IN, generator=torch.Generator().manual_seed(200 + step))
+
+
+def _ep_worker(rank, world, dim1):
+    import ds_muon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = {}
+    for ns_dtype in test_mesh.DTYPES:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
+        model = FusedExperts(mesh["ep"].get_group())
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model.experts = torch.nn.Parameter(distribute_tensor(model.experts.data, mesh["ep"], [Shard(0)]))
+        fully_shard(model, mesh=mesh["dp"],
+                    shard_placement_fn=(lambda p: Shard(1) if p.ndim == 3 else None) if dim1 else None)
+        ds_muon.expert_weight(model.experts)  # E matrices [out, in]
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype)
+        grads, params = [], []
+        for step in range(test_mesh.STEPS):
+            model(_ep_batch(step)).square().mean().backward()
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+        out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=test_mesh._ns_work(opt, rank),
+                             placements={n: str(p.placements) for n, p in model.named_parameters()},
+                             local=tuple(model.experts.to_local().shape))
+    return out
+
+
+def _ep_reference(init, grads, ns_dtype):
+    import ds_muon
+
+    with dist_harness.one_thread():
+        model = FusedExperts()
+        ds_muon.expert_weight(model.experts)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(init[n])
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype)
+        after = []
+        for g in grads:
+            for n, p in model.named_parameters():
+                p.grad = g[n].clone()
+            opt.step()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return after
+
+
+def _check_ep(results):
+    for ns_dtype in test_mesh.DTYPES:
+        for rank, res in enumerate(results):
+            r = res[ns_dtype]
+            for step, (got, ref) in enumerate(zip(r["params"], _ep_reference(r["init"], r["grads"], ns_dtype))):
+                for n in ref:
+                    assert torch.equal(got[n], ref[n]), (
+                        f"{ns_dtype} rank {rank} step {step} {n} ({r['placements'][n]}): "
+                        f"max diff {(got[n] - ref[n]).abs().max().item():.3g}")
+        matrices = results[0][ns_dtype]["ns_work"][1]
+        assert sorted(matrices) == ["experts[0]", "experts[1]", "experts[2]", "proj.weight"], matrices
+        assert all(len(homes) == 1 for homes, _ in matrices.values()), matrices  # once in the world
+        per_rank = [res[ns_dtype]["ns_work"][0] for res in results]
+        assert sum(per_rank) == sum(f for _, f in matrices.values()), (per_rank, matrices)
+
+
+def test_ep_x_fsdp2_strided_experts_stay_where_they_are():
+    """Default composition: (_StridedShard(0), Shard(0)) on (dp, ep); each rank holds whole experts
+    (rank = 2·ep + dp: experts 0, 1 on ep 0, expert 2 on ep 1), so each is orthogonalized where it is."""
+    results = dist_harness.run(_ep_worker, 4, False, timeout=120)
+    r0 = results[0][torch.float32]
+    assert "_StridedShard(dim=0" in r0["placements"]["experts"], r0["placements"]
+    assert [res[torch.float32]["local"][0] for res in results] == [1, 1, 1, 0]
+    _check_ep(results)
+    for ns_dtype in test_mesh.DTYPES:
+        homes = {k: h for k, (h, _) in results[0][ns_dtype]["ns_work"][1].items()}
+        assert (homes["experts[0]"], homes["experts[1]"], homes["experts[2]"]) == ((0,), (1,), (2,)), homes
+
+
+def test_ep_x_fsdp2_shard1_experts_matches_single_process():
+    """shard_placement_fn -> Shard(1): (Shard(1), Shard(0)) on (dp, ep); each expert's rows split 4/4
+    over dp (sharded past dim 0 used to raise NotImplementedError)."""
+    results = dist_harness.run(_ep_worker, 4, True, timeout=120)
+    r0 = results[0][torch.float32]
+    assert r0["placements"]["experts"] == "(Shard(dim=1), Shard(dim=0))", r0["placements"]
+    _check_ep(results)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..layout import _DTENSOR, MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..slots import block_slots, logical_blocks
-from ..tags import is_tagged, is_transposed
+from ..tags import EXPERTS, is_tagged, is_transposed
 from .base import BindContext
 
 
@@ -211,7 +211,8 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
             f"ds_muon: {name} has shape {tuple(param.shape)}; Muon needs matrices (ndim >= 2). Put it in an "
             "AdamW group (use_muon=False), e.g. with ds_muon.muon_param_groups(model)"
         )
-    if any(getattr(pl, "dim", 0) >= (1 if param.ndim > 2 else 2) for pl in param.placements):
+    experts = param.ndim == 3 and getattr(param, EXPERTS, False)  # [E, out, in]: any dim may be sharded
+    if not experts and any(getattr(pl, "dim", 0) >= (1 if param.ndim > 2 else 2) for pl in param.placements):
         raise NotImplementedError(
             f"ds_muon: {name} of shape {tuple(param.shape)} is sharded along a dim past 0 "
             f"({tuple(param.placements)}); ds_muon describes column shards of 2-D matrices only. "
@@ -231,6 +232,8 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
             "its metadata"
         )
     group = _mesh_group(plan_mesh if plan_mesh is not None else mesh, name)
+    if experts and ranges[1:] != [(0, n) for n in param.shape[1:]]:  # EP x FSDP2 Shard(1)/Shard(2)
+        return ParamBinding(param, _dtensor_flat, expert_block_slots(param, name, ranges), group=group)
     (r0, r1) = ranges[0]
     cols = matrix_shape(param.shape)[1]
     c0, c1 = ranges[1] if param.ndim == 2 else (0, cols)
@@ -251,3 +254,24 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
         slots.append(MatrixSlot(key, tuple(bshape), piece, (a - r0) * (c1 - c0) if piece else 0,
                                 transposed=is_transposed(param)))
     return ParamBinding(param, _dtensor_flat, slots, group=group)
+
+
+def expert_block_slots(param, name: str, ranges) -> list:
+    """Slots of a 3-D expert stack ``[E, out, in]`` of which this rank holds the box
+    ``ranges`` (experts ``[e0, e1)``, rows ``[o0, o1)``, columns ``[c0, c1)``): for each
+    expert (and row block of :func:`ds_muon.split_rows`) the block it holds, at its offset
+    in the local ``[e1-e0, o1-o0, c1-c0]`` shard (EP ``Shard(0)`` x FSDP2 ``Shard(1)``)."""
+    (e0, e1), (o0, o1), (c0, c1) = ranges
+    _, out, cols = (int(n) for n in param.shape)
+    per_expert = (o1 - o0) * (c1 - c0)
+    slots = []
+    for key, bshape, start in logical_blocks(param, name):
+        e, rest = divmod(start, out * cols)
+        b0 = rest // cols
+        b1 = b0 + bshape[0]
+        a, b = max(o0, b0), min(o1, b1)
+        held = e0 <= e < e1 and a < b and c1 > c0
+        piece = Piece.block(tuple(bshape), a - b0, b - b0, c0, c1) if held else None
+        offset = (e - e0) * per_expert + (a - o0) * (c1 - c0) if held else 0
+        slots.append(MatrixSlot(key, tuple(bshape), piece, offset, transposed=is_transposed(param)))
+    return slots

@@ -204,7 +204,9 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
     The block is the row range x column range the placements give this rank
     (:func:`_held_ranges`): a contiguous range of the row-major flattening when
     the columns are whole (``Shard(0)``, ``_StridedShard(0)``), a column block when a
-    mesh dim shards dim 1 (TP ``RowwiseParallel``).  The group spans the whole mesh.
+    mesh dim shards dim 1 (TP ``RowwiseParallel``); for an :func:`ds_muon.expert_weight`
+    stack ``[E, out, in]`` any box of experts x rows x columns (EP ``Shard(0)`` x FSDP2
+    ``Shard(1)``).  The group spans ``plan_mesh`` (default: the parameter's own mesh).
     """
     if param.ndim < 2:
         raise ValueError(

@@ -23,7 +23,7 @@ from .layout import Layout
 from .offload import HostNS, exchange_device, host_state
 from .newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients)
-from .planner import CostModel, MatrixTask, plan_multi_homes
+from .planner import CostModel, MatrixTask, plan_multi_homes, replica_groups
 
 
 class NSSettings(NamedTuple):
@@ -206,7 +206,8 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
         else:
             tasks = [
                 MatrixTask(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, gdt.itemsize,
-                           tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)), ns_at[i].method)
+                           tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)), ns_at[i].method,
+                           replica_groups([h for _, h in layout.matrices[i].distinct_pieces()]))
                 for i in idx
             ]
             homes = dict(zip(idx, plan_multi_homes(tasks, layout.world_size, cost_model, planner)))

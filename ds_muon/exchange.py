@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Layout, Piece
+from .planner import gather_source, replica_groups, scatter_source
 
 
 @dataclass
@@ -29,7 +30,9 @@ class Exchange:
     """Moves pieces of ``layout.matrices[active]`` to their homes and results back.
 
     ``homes[i]`` is a tuple of ranks for ``layout.matrices[i]``: one rank in the
-    sharded mode, every rank in the duplicated baseline.  ``stack_key[i]`` groups
+    sharded mode, several where the planner duplicates NS (DDP replicas; HSDP: one per
+    replica group, which gathers from and scatters to its own group), every rank in the
+    duplicated baseline.  ``stack_key[i]`` groups
     matrices that may share one batched NS call at a home (shape and NS settings).
     ``group`` (default ``layout.group``) holds the same ranks in the same order: the
     exchange's own communicator (:class:`~ds_muon.compile.ExchangeGroups`).
@@ -72,13 +75,15 @@ class Exchange:
         for i in self.active:
             info = layout.matrices[i]
             hs = homes[i]
-            for piece, holders in info.distinct_pieces():
+            pieces = info.distinct_pieces()
+            groups = replica_groups([holders for _, holders in pieces]) if len(hs) > 1 else ()
+            for piece, holders in pieces:
                 for hk, h in enumerate(hs):
                     if h in holders:
                         if h == r:
                             self.self_gather.append(_Segment(i, piece))
                         continue
-                    src = holders[(i + hk) % len(holders)]
+                    src = gather_source(holders, h, hs, groups, holders[(i + hk) % len(holders)])
                     gather_traffic = True
                     if src == r:
                         send_g[h].append(_Segment(i, piece))
@@ -87,7 +92,7 @@ class Exchange:
             for d, piece in enumerate(info.pieces):
                 if piece is None or piece.numel == 0 or d in hs:
                     continue
-                src = hs[d % len(hs)]
+                src = scatter_source(hs, d, groups)  # a home in d's replica group first
                 scatter_traffic = True
                 if src == r:
                     send_s[d].append(_Segment(i, piece))

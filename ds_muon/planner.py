@@ -12,7 +12,8 @@ is the classic longest-processing-time rule on NS cost alone (the baseline);
 home that keeps the modelled slowest rank fastest, so a matrix the stack already
 delivered whole stays where it is unless moving it pays.  ``"auto"`` then gives
 replicated matrices extra homes where running NS again costs less than sending the
-result (:func:`plan_multi_homes`).  With ``CostModel.ranks_per_node`` bytes between
+result (:func:`plan_multi_homes`), and chooses per HSDP matrix between one home in the
+world, one home per replica group (no bytes between groups) and NS at every holder.  With ``CostModel.ranks_per_node`` bytes between
 nodes and inside a node go at their own rates (:func:`rank_seconds`).
 """
 
@@ -81,6 +82,7 @@ class MatrixTask:
     elem_bytes: int = 2
     held: Tuple[int, ...] = ()
     method: str = "standard"
+    groups: Tuple[Tuple[int, ...], ...] = ()  # replica groups (HSDP): :func:`replica_groups`
 
     @property
     def numel(self) -> int:
@@ -266,24 +268,85 @@ def _plan_locality(tasks: List[MatrixTask], world: int, cm: CostModel) -> List[i
     return homes
 
 
+def replica_groups(piece_holders: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...], ...]:
+    """Replica groups of one matrix (HSDP) from the ranks holding each of its distinct pieces.
+
+    When there are several distinct pieces and each is held by the same number R > 1 of
+    ranks, the j-th holder (in rank order) of every piece forms group j: R disjoint groups,
+    each holding the whole matrix between its ranks.  ``()`` otherwise (no replicas, or
+    whole copies as in DDP, where each rank is a group of its own: the planner's whole holders).
+    """
+    holders = [sorted(h) for h in piece_holders]
+    if len(holders) < 2 or len({len(h) for h in holders}) != 1 or len(holders[0]) < 2:
+        return ()
+    groups = tuple(tuple(sorted(h[j] for h in holders)) for j in range(len(holders[0])))
+    ranks = [r for g in groups for r in g]
+    return groups if len(set(ranks)) == len(ranks) else ()
+
+
+def _group_of(groups, rank: int) -> Tuple[int, ...]:
+    return next((g for g in groups if rank in g), ())
+
+
+def gather_source(holders: Sequence[int], home: int, homes: Sequence[int], groups, default: int) -> int:
+    """The holder that sends ``home`` a piece held by ``holders``: with several homes, one in the
+    home's own replica group when there is one (each group's home gathers inside its group),
+    else ``default`` (the exchange's spread over replicas)."""
+    if len(homes) > 1:
+        mine = _group_of(groups, home)
+        for r in holders:
+            if r in mine:
+                return r
+    return default
+
+
+def scatter_source(homes: Sequence[int], d: int, groups) -> int:
+    """The home that sends rank ``d`` its result: with several homes, the one in ``d``'s replica
+    group when there is one (no traffic between replica groups), else ``homes[d % len(homes)]``."""
+    if len(homes) > 1:
+        mine = _group_of(groups, d)
+        for h in homes:
+            if h in mine:
+                return h
+    return homes[d % len(homes)]
+
+
 def pair_traffic(t: MatrixTask, homes: Sequence[int]) -> Dict[Tuple[int, int], float]:
     """Elements from rank to rank for one matrix with one or more ``homes``, as the exchange
     moves them: every home collects what it lacks from the holders (:func:`gather_traffic`'s
-    shares), then every other holder ``d`` gets its piece back from ``homes[d % len(homes)]``."""
+    shares; with several homes and replica groups, from its own group: :func:`gather_source`),
+    then every other holder ``d`` gets its piece back from :func:`scatter_source`."""
     out: Dict[Tuple[int, int], float] = defaultdict(float)
     holders = [(r, n) for r, n in enumerate(t.held) if n > 0]
     held = sum(n for _, n in holders)
     for h in homes:
         mine = t.held[h] if h < len(t.held) else 0
         missing = t.numel - mine
-        if missing and held - mine:
+        own = _group_of(t.groups, h) if len(homes) > 1 else ()
+        if missing and own:
+            for r in own:
+                if r != h and t.held[r]:
+                    out[(r, h)] += t.held[r]
+        elif missing and held - mine:
             for r, n in holders:
                 if r != h:
                     out[(r, h)] += missing * n / (held - mine)
     for d, n in holders:
         if d not in homes:
-            out[(homes[d % len(homes)], d)] += n
+            out[(scatter_source(homes, d, t.groups), d)] += n
     return out
+
+
+def replica_homes(t: MatrixTask, home: int) -> List[Tuple[int, ...]]:
+    """Alternatives to a single ``home`` for a matrix held by replica groups: one home per group
+    (the rank at the home's position in each group: no bytes between groups) and every holder
+    (NS everywhere, no scatter).  ``[]`` when ``t`` has no replica groups or ``home`` is in none."""
+    mine = _group_of(t.groups, home)
+    if not mine:
+        return []
+    pos = mine.index(home)
+    per_group = tuple(sorted(g[min(pos, len(g) - 1)] for g in t.groups))
+    return [per_group, tuple(sorted(r for g in t.groups for r in g))]
 
 
 def rank_seconds(t: MatrixTask, homes: Sequence[int], cm: CostModel) -> Dict[int, float]:
@@ -308,10 +371,11 @@ def plan_multi_homes(tasks: Sequence[MatrixTask], world_size: int, cost_model: O
     while it shortens the modelled step, take the slowest rank and give one of the matrices it
     touches more homes among the ranks already holding it whole (DDP replicas: nothing to gather),
     which run the same NS and take over part of the scatter: that rank itself, the least-loaded
-    rank, or every whole holder at once (single steps cannot always get there: a new home also
-    takes over scatter targets).  A move is kept when the slowest rank gets faster, or stays as
+    rank, or every whole holder at once; a matrix held by replica groups (HSDP) may instead get one
+    home per group or NS at every holder (:func:`replica_homes`).  (Single steps cannot always get there:
+    a new home also takes over scatter targets.)  A move is kept when the slowest rank gets faster, or stays as
     fast while the ranks together spend less time (ties between equally slow ranks); then
-    :func:`_best_duplication` tries duplicating whole prefixes.  A pure function of its inputs:
+    :func:`_best_duplication` tries those alternatives on whole prefixes.  A pure function of its inputs:
     every rank gets the same homes."""
     cm = cost_model or CostModel()
     plan = plan_homes(tasks, world_size, strategy, cm)
@@ -333,12 +397,16 @@ def plan_multi_homes(tasks: Sequence[MatrixTask], world_size: int, cost_model: O
             if b not in part[i]:
                 continue
             spare = [r for r in whole[i] if r not in hs]
-            if not spare:
+            cands = []
+            if spare:
+                # the slowest rank itself (it stops receiving this result) or the least-loaded holder
+                cands = [tuple(sorted(hs + (c,))) for c in sorted({min(spare, key=lambda r: (t_rank[r], r)),
+                                                                   *([b] if b in spare else [])})]
+                cands.append(tuple(sorted(set(hs) | set(spare))))  # every whole holder: NS everywhere, no scatter
+            if len(hs) == 1:  # HSDP: one home per replica group, or NS at every holder
+                cands += [c for c in replica_homes(tasks[i], hs[0]) if c != hs]
+            if not cands:
                 continue
-            # the slowest rank itself (it stops receiving this result) or the least-loaded holder
-            cands = [tuple(sorted(hs + (c,))) for c in sorted({min(spare, key=lambda r: (t_rank[r], r)),
-                                                               *([b] if b in spare else [])})]
-            cands.append(tuple(sorted(set(hs) | set(spare))))  # every whole holder: NS everywhere, no scatter
             for new_hs in dict.fromkeys(cands):
                 new = rank_seconds(tasks[i], new_hs, cm)
                 after = {r: t_rank[r] - part[i].get(r, 0.0) + new.get(r, 0.0) for r in set(part[i]) | set(new)}
@@ -365,19 +433,26 @@ def _step_seconds(tasks: Sequence[MatrixTask], homes: Sequence[Tuple[int, ...]],
 
 
 def _best_duplication(tasks, homes, whole, world: int, cm: CostModel) -> List[Tuple[int, ...]]:
-    """Local moves stall on ties between equally slow ranks; so also try duplicating (NS at every whole
-    holder) the 1, 2, 4, ... matrices where that saves the most time in all, and keep the fastest plan."""
-    def saving(i: int) -> float:
-        t = tasks[i]
-        return sum(rank_seconds(t, homes[i], cm).values()) - len(whole[i]) * t.flops / cm.flops_per_s
+    """Local moves stall on ties between equally slow ranks; so also try, for the 1, 2, 4, ... matrices
+    where it saves the most time in all, each one's best alternative: NS at every whole holder (DDP),
+    or one home per replica group / NS at every holder (HSDP, :func:`replica_homes`); keep the fastest plan."""
+    def alternatives(i: int) -> List[Tuple[int, ...]]:
+        out = [tuple(whole[i])] if len(whole[i]) > len(homes[i]) else []
+        return out + (replica_homes(tasks[i], homes[i][0]) if len(homes[i]) == 1 else [])
 
-    order = sorted((i for i in range(len(tasks)) if len(whole[i]) > len(homes[i]) and saving(i) > 0),
-                   key=lambda i: (-saving(i), i))
+    now = [sum(rank_seconds(t, hs, cm).values()) for t, hs in zip(tasks, homes)]
+    best_alt = {}
+    for i in range(len(tasks)):
+        for alt in alternatives(i):
+            saving = now[i] - sum(rank_seconds(tasks[i], alt, cm).values())
+            if saving > 0 and (i not in best_alt or saving > best_alt[i][0]):
+                best_alt[i] = (saving, alt)
+    order = sorted(best_alt, key=lambda i: (-best_alt[i][0], i))
     best, best_t = homes, _step_seconds(tasks, homes, world, cm)
     k = 1
     while order and k <= 2 * len(order):
         dup = set(order[:k])
-        cand = [tuple(whole[i]) if i in dup else hs for i, hs in enumerate(homes)]
+        cand = [best_alt[i][1] if i in dup else hs for i, hs in enumerate(homes)]
         t = _step_seconds(tasks, cand, world, cm)
         if t < best_t * (1 - 1e-9):
             best, best_t = cand, t

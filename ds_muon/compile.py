@@ -213,7 +213,8 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             homes = dict(zip(idx, plan_multi_homes(tasks, layout.world_size, cost_model, planner)))
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
         for wave in split_waves(idx, cost, waves):
-            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group), ns_of))
+            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group,
+                                      transport=cost_model.transport), ns_of))
     return compiled
 
 

@@ -6,18 +6,38 @@ split sizes.  A step then only packs, calls ``all_to_all_single`` and unpacks.
 Nothing crosses the wire that the receiver already holds, and when no rank
 needs to move anything the collective is skipped everywhere (every rank knows
 the whole plan, so they all agree without talking).
+
+``transport="p2p"`` moves the same buffers with ``batch_isend_irecv`` to and from
+only the ranks with a nonzero split (:attr:`Exchange.peers`): an all_to_all over
+thousands of ranks pays a per-peer cost (and, on NCCL, a connection) for every rank
+of the group, a sparse plan talks to a few.  The bytes are the same, so the result is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Sequence, Tuple
+from typing import Dict, FrozenSet, Hashable, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .layout import Layout, Piece
 from .planner import gather_source, replica_groups, scatter_source
+
+
+TRANSPORTS = ("all_to_all", "p2p")
+
+
+class Peers(NamedTuple):
+    """Ranks (in the exchange's group) this rank sends to / receives from, per direction."""
+
+    gather_send: FrozenSet[int]
+    gather_recv: FrozenSet[int]
+    scatter_send: FrozenSet[int]
+    scatter_recv: FrozenSet[int]
+
+    def all(self) -> FrozenSet[int]:
+        return self.gather_send | self.gather_recv | self.scatter_send | self.scatter_recv
 
 
 @dataclass
@@ -36,6 +56,7 @@ class Exchange:
     matrices that may share one batched NS call at a home (shape and NS settings).
     ``group`` (default ``layout.group``) holds the same ranks in the same order: the
     exchange's own communicator (:class:`~ds_muon.compile.ExchangeGroups`).
+    ``transport``: "all_to_all", "p2p", or a function of (world, max_peers) naming one.
     """
 
     def __init__(
@@ -48,6 +69,7 @@ class Exchange:
         scatter_dtype: torch.dtype,
         device: torch.device,
         group=None,
+        transport="all_to_all",
     ):
         self.layout = layout
         self.group = group if group is not None else layout.group  # same ranks, same order
@@ -72,6 +94,7 @@ class Exchange:
         send_s = [[] for _ in range(self.world)]
         recv_s = [[] for _ in range(self.world)]
         gather_traffic = scatter_traffic = False
+        links = [set() for _ in range(self.world)]  # every rank's peers (either direction): max_peers
         for i in self.active:
             info = layout.matrices[i]
             hs = homes[i]
@@ -85,6 +108,8 @@ class Exchange:
                         continue
                     src = gather_source(holders, h, hs, groups, holders[(i + hk) % len(holders)])
                     gather_traffic = True
+                    links[src].add(h)
+                    links[h].add(src)
                     if src == r:
                         send_g[h].append(_Segment(i, piece))
                     if h == r:
@@ -94,6 +119,8 @@ class Exchange:
                     continue
                 src = scatter_source(hs, d, groups)  # a home in d's replica group first
                 scatter_traffic = True
+                links[src].add(d)
+                links[d].add(src)
                 if src == r:
                     send_s[d].append(_Segment(i, piece))
                 if d == r:
@@ -105,6 +132,16 @@ class Exchange:
         sizes = lambda segs: [sum(s.piece.numel for s in lst) for lst in segs]  # noqa: E731
         self.split_send_g, self.split_recv_g = sizes(send_g), sizes(recv_g)
         self.split_send_s, self.split_recv_s = sizes(send_s), sizes(recv_s)
+        nonzero = lambda splits: frozenset(p for p, n in enumerate(splits) if n)  # noqa: E731
+        self.peers = Peers(nonzero(self.split_send_g), nonzero(self.split_recv_g),
+                           nonzero(self.split_send_s), nonzero(self.split_recv_s))
+        # The most peers any rank talks to: known identically everywhere (transport="auto").
+        self.max_peers = max((len(x) for x in links), default=0)
+        if callable(transport):  # e.g. CostModel.transport: the same choice on every rank
+            transport = transport(self.world, self.max_peers)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"ds_muon: Exchange transport={transport!r} is unknown; use one of {list(TRANSPORTS)}")
+        self.transport = transport
         # Where each of r's own results arrives in the scatter receive buffer.
         self.recv_offset: Dict[int, int] = {}
         off = 0
@@ -137,15 +174,14 @@ class Exchange:
                           [local[seg.matrix] for lst in self.send_g for seg in lst])
         recv = self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
                                                           device=self.device))
-        work = dist.all_to_all_single(recv, send, self.split_recv_g, self.split_send_g, group=self.group,
-                                      async_op=True)
+        work = self._move(recv, send, self.split_recv_g, self.split_send_g)
         return stacks, recv, (work, send)
 
     def gather_finish(self, pending) -> Dict[Hashable, torch.Tensor]:
         stacks, recv, work = pending
         if work is None:
             return stacks
-        work[0].wait()
+        _wait(work[0])
         homes, parts = self._buffer("recv_g_views", lambda: (
             [self._flat_home_view(stacks, seg) for lst in self.recv_g for seg in lst],
             _slices(recv, [seg.piece.numel for lst in self.recv_g for seg in lst])))
@@ -171,15 +207,14 @@ class Exchange:
                           self._buffer("send_s_sources", lambda: [pieces[key][k] for key, k in self._send_cuts]))
         recv = self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
                                                           device=self.device))
-        work = dist.all_to_all_single(recv, send, self.split_recv_s, self.split_send_s, group=self.group,
-                                      async_op=True)
+        work = self._move(recv, send, self.split_recv_s, self.split_send_s)
         return out, recv, (work, send)
 
     def scatter_finish(self, pending) -> Dict[int, torch.Tensor]:
         out, recv, work = pending
         if work is None:
             return out
-        work[0].wait()
+        _wait(work[0])
         mine = self.layout.matrices
         views = self._buffer("recv_s_views", lambda: dict(zip(
             self.recv_offset, _slices(recv, [mine[i].pieces[self.rank].numel for i in self.recv_offset]))))
@@ -187,6 +222,18 @@ class Exchange:
         return out
 
     # -- helpers --------------------------------------------------------------
+    def _move(self, recv: torch.Tensor, send: torch.Tensor, split_recv: List[int], split_send: List[int]):
+        """Issue the exchange of ``send`` (cut by ``split_send``) into ``recv``: one all_to_all over
+        the group, or (``p2p``) one batch of sends and receives with the nonzero splits only."""
+        if self.transport == "all_to_all":
+            return dist.all_to_all_single(recv, send, split_recv, split_send, group=self.group, async_op=True)
+        ops = []
+        for op, flat, splits in ((dist.irecv, recv, split_recv), (dist.isend, send, split_send)):
+            for peer, part in enumerate(_slices(flat, splits)):
+                if part.numel():
+                    ops.append(dist.P2POp(op, part, group=self.group, group_peer=peer))
+        return dist.batch_isend_irecv(ops) if ops else []
+
     def release(self) -> None:
         """Drop the buffers kept across steps (an evicted exchange); a later use allocates anew,
         and a gather or scatter in flight keeps the tensors it holds until it finishes."""
@@ -305,6 +352,12 @@ class Exchange:
         views = self._buffer(name + "_views", lambda: _slices(buf, [seg.piece.numel for lst in segs for seg in lst]))
         self._copy_all(name, views, sources)
         return buf
+
+
+def _wait(work) -> None:
+    """Wait on an all_to_all's work or on every work of a p2p batch."""
+    for w in (work if isinstance(work, list) else [work]):
+        w.wait()
 
 
 def _slices(flat: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:

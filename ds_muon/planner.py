@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .newton_schulz import ns_flops
 
-STRATEGIES = ("locality", "lpt", "round_robin", "auto")  # auto: locality + extra homes (plan_multi_homes)
+STRATEGIES = ("locality", "lpt", "round_robin", "auto")
+EXCHANGES = ("all_to_all", "p2p", "auto")  # auto: locality + extra homes (plan_multi_homes)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,29 @@ class CostModel:
     offload: bool = False
     ranks_per_node: Optional[int] = None  # None: one flat link (every byte at bytes_per_s)
     intra_bytes_per_s: float = 400e9  # per rank inside a node (NVLink-class); bytes_per_s is then inter-node
+    # How the exchange moves its bytes (:class:`~ds_muon.exchange.Exchange`): "all_to_all" over the
+    # whole group, "p2p" (batch_isend_irecv with the ranks it really talks to), or "auto" (the cheaper
+    # by :meth:`transport`).  The per-peer latencies are assumptions, not measured on a GPU cluster.
+    exchange: str = "all_to_all"
+    a2a_peer_s: float = 2e-6  # per rank of the group, each all_to_all (zero-size splits included)
+    p2p_peer_s: float = 8e-6  # per send or receive of a batched p2p exchange
+
+    def __post_init__(self):
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"ds_muon: CostModel(exchange={self.exchange!r}) is unknown; use one of {list(EXCHANGES)}")
+
+    def transport_seconds(self, world: int, peers: int) -> Dict[str, float]:
+        """Latency of one exchange call per transport: all_to_all pays for every rank of the
+        group, p2p for each peer a rank really sends to and receives from (bytes are equal)."""
+        return {"all_to_all": world * self.a2a_peer_s, "p2p": 2 * peers * self.p2p_peer_s}
+
+    def transport(self, world: int, peers: int) -> str:
+        """The transport the exchange uses: ``exchange`` unless "auto", then the cheaper one for
+        a group of ``world`` ranks whose busiest rank talks to ``peers`` others."""
+        if self.exchange != "auto":
+            return self.exchange
+        t = self.transport_seconds(world, peers)
+        return "p2p" if t["p2p"] < t["all_to_all"] else "all_to_all"
 
     def node(self, rank: int) -> int:
         """The node of ``rank``: ranks are numbered node by node (torchrun's order)."""

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .newton_schulz import ns_flops
 
 STRATEGIES = ("locality", "lpt", "round_robin", "auto")
-EXCHANGES = ("all_to_all", "p2p", "auto")  # auto: locality + extra homes (plan_multi_homes)
+EXCHANGES = ("all_to_all", "p2p", "auto")  # CostModel.exchange: the transport (auto: the cheaper by transport_seconds)
 
 
 @dataclass(frozen=True)

@@ -88,36 +88,48 @@ def _worker(rank, world, kind, split=False, overlap=False):
             _split(model)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype,
                            overlap=overlap, model=model if overlap else None)
-        grads, params = [], []
-        for step in range(STEPS):
-            model(_batch(step)).square().mean().backward()
-            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            opt.flush()  # overlap=True lands updates in the next forward
-            params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+        grads, params = record(model, opt)
         out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=_ns_work(opt, rank), split=split,
                              placements={n: str(p.placements) for n, p in model.named_parameters()})
     return out
 
 
+def record(model, opt, batch=None):
+    """STEPS sharded steps: the full gradients each step saw and the full parameters after it."""
+    batch = batch or _batch
+    grads, params = [], []
+    for step in range(STEPS):
+        model(batch(step)).square().mean().backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        opt.flush()  # overlap=True lands updates in the next forward
+        params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+    return grads, params
+
+
+def replay(model, init, grads, ns_dtype):
+    """Single-process ds_muon on plain tensors (``model``, set to ``init``) fed the gradients the
+    sharded run saw; the parameters after each step."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(init[n])
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype)
+    after = []
+    for g in grads:
+        for n, p in model.named_parameters():
+            p.grad = g[n].clone()
+        opt.step()
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return after
+
+
 def _reference(init, grads, ns_dtype, split):
-    """Single-process ds_muon on plain tensors fed the gradients the sharded run saw."""
     with dist_harness.one_thread():
         model = GatedMLP()
         if split:
             _split(model)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(init[n])
-        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype)
-        after = []
-        for g in grads:
-            for n, p in model.named_parameters():
-                p.grad = g[n].clone()
-            opt.step()
-            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        return after
+        return replay(model, init, grads, ns_dtype)
 
 
 def _check_parity(results):

@@ -79,13 +79,7 @@ def _ep_worker(rank, world, dim1):
                     shard_placement_fn=(lambda p: Shard(1) if p.ndim == 3 else None) if dim1 else None)
         ds_muon.expert_weight(model.experts)  # E matrices [out, in]
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype)
-        grads, params = [], []
-        for step in range(test_mesh.STEPS):
-            model(_ep_batch(step)).square().mean().backward()
-            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+        grads, params = test_mesh.record(model, opt, _ep_batch)
         out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=test_mesh._ns_work(opt, rank),
                              placements={n: str(p.placements) for n, p in model.named_parameters()},
                              local=tuple(model.experts.to_local().shape))
@@ -98,17 +92,7 @@ def _ep_reference(init, grads, ns_dtype):
     with dist_harness.one_thread():
         model = FusedExperts()
         ds_muon.expert_weight(model.experts)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(init[n])
-        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype)
-        after = []
-        for g in grads:
-            for n, p in model.named_parameters():
-                p.grad = g[n].clone()
-            opt.step()
-            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        return after
+        return test_mesh.replay(model, init, grads, ns_dtype)
 
 
 def _check_ep(results):

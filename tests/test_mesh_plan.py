@@ -14,7 +14,7 @@ import ds_muon
 from ds_muon.planner import CostModel, MatrixTask, pair_traffic, plan_multi_homes, replica_groups
 
 import dist_harness
-from test_mesh import DTYPES, OPTS, STEPS, GatedMLP, _batch, _check_parity, _ns_work, _wrap
+from test_mesh import DTYPES, OPTS, GatedMLP, _check_parity, _ns_work, _wrap, record
 
 # Replica groups {0,1} and {2,3} are the two nodes; bytes between them are slow, NS is cheap.
 INTER_EXPENSIVE = CostModel(flops_per_s=1e15, bytes_per_s=1e6, ranks_per_node=2, intra_bytes_per_s=1e12)
@@ -61,13 +61,7 @@ def _worker(rank, world):
             _wrap("hsdp", model)
             opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype,
                                planner="auto", cost_model=cm)
-            grads, params = [], []
-            for step in range(STEPS):
-                model(_batch(step)).square().mean().backward()
-                grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+            grads, params = record(model, opt)
             # elements this rank sends to ranks of the other replica group (mesh row: rank // 2)
             across = sum(ex.split_send_g[d] + ex.split_send_s[d] for ex in opt.exchanges()
                          for d in range(world) if d // 2 != rank // 2)

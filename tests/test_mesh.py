@@ -168,12 +168,15 @@ def test_fsdp2_tp_2x2_overlap_matches_single_process():
 def test_hsdp_2x2_matches_single_process_and_orthogonalizes_once():
     results = dist_harness.run(_worker, 4, "hsdp", timeout=120)
     _check_parity(results)
+    check_once_in_the_world(results)  # each replica group used to run all of them: twice this at 2 replicas
+
+
+def check_once_in_the_world(results):
+    """Every matrix has one home in the whole world, and the ranks together run exactly those NS."""
     for ns_dtype in DTYPES:
         per_rank = [res[ns_dtype]["ns_work"][0] for res in results]
         matrices = results[0][ns_dtype]["ns_work"][1]
         assert sorted(matrices) == ["proj.weight", "w_gate.weight", "w_in.weight", "w_out.weight"], matrices
-        # every matrix has one home in the whole world (each replica group used to run all of them:
-        # twice this at 2 replicas), and the ranks together run exactly those NS
         assert all(len(homes) == 1 for homes, _ in matrices.values()), matrices
         once = sum(f for _, f in matrices.values())
         assert once > 0 and sum(per_rank) == once, (per_rank, once)

@@ -98,3 +98,22 @@ def timed_iterations(model, opt, rank: int, iters: int, warmup: int, counter: Li
         if i >= warmup:
             rows.append(t.tolist())
     return [statistics.median(c) for c in zip(*rows)]
+
+
+def timed_steps(opt, set_grads: Callable[[int], None], steps: int, warmup: int):
+    """Median ``opt.step()`` time of the slowest rank, ``(wall s, process CPU s)``; ``set_grads(s)``
+    fills step ``s``'s gradients before it (outside the timing)."""
+    import torch.distributed as dist
+
+    wall, cpu = [], []
+    for s in range(warmup + steps):
+        set_grads(s)
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.step()
+        t = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if s >= warmup:
+            wall.append(t[0].item())
+            cpu.append(t[1].item())
+    return statistics.median(wall), statistics.median(cpu)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import header, table
+from common import header, table, timed_steps
 
 import dist_harness
 import ds_muon
@@ -32,22 +32,15 @@ def _worker(rank, world, shapes, planner, mode, cm, steps, warmup):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
     opt = ds_muon.Muon(params, lr=0.02, ns_dtype=torch.float32, mode=mode, planner=planner, cost_model=cm)
-    wall, cpu = [], []
-    for s in range(warmup + steps):
+    def set_grads(s):
         g = torch.Generator().manual_seed(s)
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        opt.step()
-        t = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if s >= warmup:
-            wall.append(t[0].item())
-            cpu.append(t[1].item())
+
+    wall, cpu = timed_steps(opt, set_grads, steps, warmup)
     homes = [len(ex.homes[i]) for ex in opt.exchanges() for i in ex.active]
     sent = sum(e.bytes_sent for e in opt.exchanges())
-    return statistics.median(wall), statistics.median(cpu), sum(homes) / max(len(homes), 1), sent
+    return wall, cpu, sum(homes) / max(len(homes), 1), sent
 
 
 def main():

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import header, table
+from common import header, table, timed_steps
 
 import dist_harness
 import ds_muon
@@ -84,21 +84,11 @@ def _grads(model, step):
 def _measure(kind, planner, cm, steps, warmup):
     model = _model(kind)
     opt = ds_muon.Muon(model.parameters(), lr=0.02, ns_dtype=torch.float32, planner=planner, cost_model=cm)
-    wall, cpu = [], []
-    for s in range(warmup + steps):
-        _grads(model, s)
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        opt.step()
-        t = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if s >= warmup:
-            wall.append(t[0].item())
-            cpu.append(t[1].item())
+    wall, cpu = timed_steps(opt, lambda s: _grads(model, s), steps, warmup)
     s = opt.summary()
     ns = [r.ns_flops for r in s.ranks]
     homes = [len(m.homes) for m in s.matrices]
-    return dict(wall=statistics.median(wall), cpu=statistics.median(cpu), ns_max=max(ns), ns_all=sum(ns),
+    return dict(wall=wall, cpu=cpu, ns_max=max(ns), ns_all=sum(ns),
                 moved=max(r.bytes_moved for r in s.ranks), homes=sum(homes) / len(homes))
 
 

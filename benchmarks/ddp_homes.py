@@ -11,7 +11,6 @@ process's CPU time per step, side by side in one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch

@@ -21,7 +21,7 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from . import costs
-from .planner import CostModel, ranks_per_node_from_env
+from .planner import EXCHANGES, CostModel, ranks_per_node_from_env
 
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 ALL_STRATEGIES = costs.STRATEGIES
@@ -84,13 +84,13 @@ def load_shapes(preset: Optional[str] = None, hf_config: Optional[str] = None,
 
 def plan_rows(shapes: Sequence[Tuple[str, Tuple[int, int]]], world_sizes: Sequence[int],
               layout: str = "partitioned", strategies: Sequence[str] = ALL_STRATEGIES, ns_steps: int = 5,
-              cost_model: Optional[CostModel] = None, elem_bytes: int = 2) -> List[dict]:
+              cost_model: Optional[CostModel] = None, elem_bytes: int = 2, transport: bool = False) -> List[dict]:
     """One row per (world size, strategy): balance, bytes, collectives, waves, modelled time."""
     cm = cost_model or CostModel()
     rows = []
     for world in world_sizes:
         tasks = costs.tasks_for([s for _, s in shapes], world, layout, ns_steps, elem_bytes)
-        rows.extend(costs.compare(tasks, world, cm, strategies))
+        rows.extend(costs.compare(tasks, world, cm, strategies, transport))
     return rows
 
 
@@ -135,7 +135,7 @@ def _print_table(rows: List[dict]) -> None:
 def cmd_plan(args) -> int:
     rpn = args.ranks_per_node or ranks_per_node_from_env()
     cm = CostModel(args.tflops * 1e12, args.link_gbps * 1e9 / 8, args.pcie_gbps * 1e9 / 8, args.offload,
-                   rpn, args.intra_gbps * 1e9 / 8)
+                   rpn, args.intra_gbps * 1e9 / 8, exchange=args.exchange or "all_to_all")
     if args.mesh:
         if args.summary:
             print("--mesh takes the shapes of --preset/--hf-config/--shapes, not --summary", file=sys.stderr)
@@ -161,7 +161,8 @@ def cmd_plan(args) -> int:
     else:
         shapes = load_shapes(args.preset, args.hf_config, args.shapes)
         args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
-    rows += plan_rows(shapes, args.world_sizes or [], args.layout, args.strategies, args.ns_steps, cm)
+    rows += plan_rows(shapes, args.world_sizes or [], args.layout, args.strategies, args.ns_steps, cm,
+                      transport=bool(args.exchange))
     if not rows:
         print("no Muon matrices to plan", file=sys.stderr)
         return 1
@@ -218,6 +219,9 @@ def main(argv=None) -> int:
                    help="ranks per node for the intra/inter-node cost model (default: $LOCAL_WORLD_SIZE, else one flat link)")
     p.add_argument("--intra-gbps", type=float, default=3200.0,
                    help="Gbit/s per rank inside a node (default 3200: NVLink-class, 400 GB/s)")
+    p.add_argument("--exchange", choices=list(EXCHANGES),
+                   help="add the columns max_peers and transport: the exchange's transport under CostModel(exchange=...) "
+                        "(auto: all_to_all or batched p2p by modelled per-peer latency)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write a PNG of modelled step time and traffic against world size")
     p.set_defaults(fn=cmd_plan)

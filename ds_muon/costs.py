@@ -51,6 +51,7 @@ class StrategyCost:
     collectives: int
     max_matrices_per_rank: int
     host_bytes: Optional[List[float]] = None  # host<->device bytes per rank under offload (None: no offload)
+    peers: Optional[List[int]] = None  # ranks each rank's exchange talks to (sharded plans; None: not modelled)
 
     def row(self, tasks: Sequence[MatrixTask]) -> Dict[str, object]:
         world = len(self.ns_flops)
@@ -83,7 +84,14 @@ def sharded_cost(tasks: Sequence[MatrixTask], world: int, strategy: str, cm: Cos
     sent, recv = plan.traffic()
     per_home = [plan.homes.count(r) for r in range(world)]
     host = host_traffic(plan.tasks, world) if cm.offload else None
-    return StrategyCost(strategy, plan.ns_cost, sent, recv, plan.step_time(), 2, max(per_home), host)
+    links = [set() for _ in range(world)]
+    for t, h in zip(plan.tasks, plan.homes):
+        for r, n in enumerate(t.held):
+            if n > 0 and r != h:
+                links[r].add(h)
+                links[h].add(r)
+    return StrategyCost(strategy, plan.ns_cost, sent, recv, plan.step_time(), 2, max(per_home), host,
+                        [len(x) for x in links])
 
 
 def _modelled(strategy: str, ns: List[float], sent: List[float], recv: List[float], collectives: int,
@@ -166,6 +174,7 @@ def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> S
              for t in tasks]
     homes = plan_multi_homes(tasks, world, cm, "auto")
     ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
+    links = [set() for _ in range(world)]
     for t, hs in zip(tasks, homes):
         for h in hs:
             ns[h] += t.flops
@@ -173,11 +182,19 @@ def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> S
         for (a, b), n in pair_traffic(t, hs).items():
             sent[a] += n * t.elem_bytes
             recv[b] += n * t.elem_bytes
-    return _modelled("auto", ns, sent, recv, 2 if any(sent) else 0, count, cm, tasks)  # no bytes: no collective
+            if n:
+                links[a].add(b)
+                links[b].add(a)
+    cost = _modelled("auto", ns, sent, recv, 2 if any(sent) else 0, count, cm, tasks)  # no bytes: no collective
+    cost.peers = [len(x) for x in links]
+    return cost
 
 
 def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
-            strategies: Sequence[str] = STRATEGIES) -> List[Dict[str, object]]:
+            strategies: Sequence[str] = STRATEGIES, transport: bool = False) -> List[Dict[str, object]]:
+    """One row per strategy; with ``transport``, the most peers any rank's exchange talks to
+    and the transport ``cm`` would use for it (:meth:`CostModel.transport`; "-" for the baselines,
+    whose collectives are not the exchange)."""
     rows = []
     for s in strategies:
         if s in SHARDED:
@@ -192,7 +209,12 @@ def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
             cost = multi_home_cost(tasks, world, cm)
         else:
             raise ValueError(f"unknown strategy {s!r}")
-        rows.append(cost.row(tasks))
+        row = cost.row(tasks)
+        if transport:
+            peers = max(cost.peers) if cost.peers else None
+            row["max_peers"] = "-" if peers is None else peers
+            row["transport"] = "-" if peers is None else cm.transport(world, peers)
+        rows.append(row)
     return rows
 
 

@@ -169,3 +169,20 @@ def test_auto_row_is_the_optimizers_plan():
     assert rows["auto"]["modelled_step_ms"] == round(max(t_rank) * 1e3, 4)
     assert rows["auto"]["modelled_step_ms"] < rows["locality"]["modelled_step_ms"]
     assert rows["auto"]["modelled_step_ms"] <= rows["duplicated"]["modelled_step_ms"]
+
+
+def test_plan_exchange_columns_follow_the_cost_model(capsys):
+    """--exchange adds each sharded row's busiest rank's peer count and the transport the cost
+    model picks for it: all_to_all where a rank talks to every other (LPT at W=8), batched p2p at
+    W=4096 where the locality plan talks to few peers."""
+    assert cli.main(["plan", "--preset", "gpt-125m", "--world-sizes", "8", "4096", "--layout", "partitioned",
+                     "--strategies", "locality", "lpt", "duplicated", "--exchange", "auto", "--json"]) == 0
+    by = {(r["world_size"], r["strategy"]): r for r in json.loads(capsys.readouterr().out)}
+    small, large = by[(8, "lpt")], by[(4096, "locality")]
+    assert small["max_peers"] == 7 and small["transport"] == "all_to_all"
+    cm = CostModel(exchange="auto")
+    assert large["max_peers"] < 4095
+    assert large["transport"] == cm.transport(4096, large["max_peers"]) == "p2p"
+    assert by[(8, "duplicated")]["transport"] == "-"  # a baseline's collectives are not the exchange
+    assert cli.main(["plan", "--preset", "gpt-125m", "--world-sizes", "8", "--json"]) == 0
+    assert "transport" not in json.loads(capsys.readouterr().out)[0]  # without --exchange: no columns

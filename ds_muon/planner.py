@@ -241,57 +241,79 @@ def _plan_locality(tasks: List[MatrixTask], world: int, cm: CostModel) -> List[i
        one matrix whose move brings every rank it touches below that rank's time the
        most; stop when no move shortens the step.  Candidate targets for a matrix
        are its holders and the least-loaded rank overall.
+
+    Costs are dense float64 vectors over the ranks (:func:`_home_seconds`, equal to
+    :meth:`CostModel.seconds` of :func:`task_traffic` rank for rank), so thousands of ranks plan in seconds.
     """
     n = len(tasks)
     homes = [0] * n
-    t_rank = [0.0] * world
-    per_home: Dict[int, Dict[int, float]] = {}
-
-    def costs(i: int, h: int) -> Dict[int, float]:
-        t = tasks[i]
-        return {r: cm.seconds(t.flops if r == h else 0.0, (sn + rc) * t.elem_bytes)
-                for r, (sn, rc) in task_traffic(t, h).items()}
+    t_rank = np.zeros(world)
+    per_home: Dict[int, np.ndarray] = {}
+    held = [np.asarray(t.held, dtype=np.int64) for t in tasks]
 
     for i in _lpt_order(tasks):
         t = tasks[i]
-        most = max(t.held) if t.held else 0
-        cands = [r for r, v in enumerate(t.held) if v == most and most > 0] or list(range(world))
-        h = min(cands, key=lambda r: (t_rank[r], r))
+        most = int(held[i].max()) if world else 0
+        if most > 0:
+            cands = np.flatnonzero(held[i] == most)
+            h = int(cands[np.argmin(t_rank[cands])])  # least loaded; ties: the lowest rank
+        else:
+            h = int(np.argmin(t_rank))
         homes[i] = h
-        per_home[i] = costs(i, h)
-        for r, c in per_home[i].items():
-            t_rank[r] += c
+        per_home[i] = _home_seconds(t, held[i], h, cm)
+        t_rank += per_home[i]
 
     owned: Dict[int, set] = defaultdict(set)
     for i, h in enumerate(homes):
         owned[h].add(i)
     for _ in range(4 * n + world):
-        b = max(range(world), key=lambda r: (t_rank[r], -r))
-        limit = t_rank[b]
+        b = int(np.argmax(t_rank))  # the slowest rank; ties: the lowest
+        limit = float(t_rank[b])
         best = None
-        idle = min(range(world), key=lambda r: (t_rank[r], r))
+        idle = int(np.argmin(t_rank))
         for i in sorted(owned[b]):
             t = tasks[i]
             old = per_home[i]
-            for h in {idle, *[r for r, v in enumerate(t.held) if v > 0]}:
+            for h in {idle, *np.flatnonzero(held[i]).tolist()}:  # a set, as before: its order breaks ties
                 if h == b:
                     continue
-                new = costs(i, h)
-                touched = set(old) | set(new)
-                after = {r: t_rank[r] - old.get(r, 0.0) + new.get(r, 0.0) for r in touched}
-                worst = max(after.values())
+                new = _home_seconds(t, held[i], h, cm)
+                touched = np.flatnonzero((old != 0) | (new != 0))
+                after = t_rank[touched] - old[touched] + new[touched]
+                worst = float(after.max())
                 if worst < limit * (1 - 1e-9) and (best is None or worst < best[0]):
-                    best = (worst, i, h, new, after)
+                    best = (worst, i, h, new, touched, after)
         if best is None:
             break
-        _, i, h, new, after = best
-        for r, v in after.items():
-            t_rank[r] = v
+        _, i, h, new, touched, after = best
+        t_rank[touched] = after
         owned[homes[i]].discard(i)
         owned[h].add(i)
         homes[i] = h
         per_home[i] = new
     return homes
+
+
+def _home_seconds(t: MatrixTask, held: np.ndarray, home: int, cm: CostModel) -> np.ndarray:
+    """:meth:`CostModel.seconds` of :func:`task_traffic` (``t`` homed at ``home``) per rank, dense; 0
+    where the matrix touches no byte.  A home that holds it whole gathers nothing: each other holder
+    gets its piece back (the DDP case, in closed form); otherwise :func:`task_traffic` itself."""
+    world = len(held)
+    if held[home] == t.numel:
+        recv = held.astype(np.float64)
+        recv[home] = 0.0
+        sent = np.zeros(world)
+        sent[home] = float(int(held.sum()) - int(held[home]))
+    else:
+        sent, recv = np.zeros(world), np.zeros(world)
+        for r, (sn, rc) in task_traffic(t, home).items():
+            sent[r], recv[r] = sn, rc
+    flops = np.zeros(world)
+    flops[home] = t.flops
+    out = cm.seconds(flops, (sent + recv) * t.elem_bytes)
+    touched = (sent + recv) > 0
+    touched[home] = True
+    return np.where(touched, out, 0.0)
 
 
 def replica_groups(piece_holders: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...], ...]:

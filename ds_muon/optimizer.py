@@ -78,6 +78,9 @@ class Muon(Optimizer):
     ``adapter`` describes where each tensor's shards live (default: picked per tensor
     for no wrapper/DDP, FSDP1 and FSDP2; see :mod:`ds_muon.integrations`); DeepSpeed's
     is attached after ``deepspeed.initialize`` (:meth:`attach`).
+    ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.planner`): ``"auto"`` (default)
+    gives replicated matrices (DDP, HSDP replica groups) extra homes where the cost model says
+    running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise.
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """
@@ -104,7 +107,7 @@ class Muon(Optimizer):
         model: Optional[torch.nn.Module] = None,
         nonfinite: str = "raise",
         comm_dtype=None,
-        planner: str = "locality",
+        planner: str = "auto",
         cost_model: Optional[CostModel] = None,
         overlap: bool = False,
         waves: int = 4,

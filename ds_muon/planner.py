@@ -426,9 +426,10 @@ def plan_multi_homes(tasks: Sequence[MatrixTask], world_size: int, cost_model: O
     :func:`_best_duplication` tries those alternatives on whole prefixes.  A pure function of its inputs:
     every rank gets the same homes.
 
-    Each (matrix, homes) is costed once, as a dense vector over the ranks (:class:`_Costs`), and the
-    moves are weighed on those vectors, so planning stays well under a second for a model of hundreds
-    of matrices at 64 ranks (``ds-muon plan --strategies auto`` shows the plan at any world size)."""
+    Each (matrix, homes) is costed once, as a dense vector over the ranks (:class:`_Costs`), whole-prefix
+    duplication is tried first (it often ends the search at once: GPT-125M under DDP), and the local
+    moves stop after a fixed amount of work (``MOVE_WORK``), so planning stays under a second for
+    hundreds of matrices at thousands of ranks (``ds-muon plan --strategies auto`` shows the plan)."""
     cm = cost_model or CostModel()
     plan = plan_homes(tasks, world_size, strategy, cm)
     tasks = plan.tasks
@@ -484,6 +485,14 @@ class _Costs:
         return out
 
 
+# How much :func:`_local_moves` may look at: about 0.2 s of CPU.  Small models converge long before
+# (GPT-125M at 64 ranks: a few moves); a large model on many replicas (Llama-70B's 560 matrices) would
+# otherwise take thousands of one-home moves, each weighing every matrix.  The plan is then the best
+# found so far, still checked against whole-prefix duplication (:func:`_best_duplication`).
+MOVE_WORK = 5_000_000
+MOVE_WORK_MIN_RANKS = 256
+
+
 def _local_moves(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple[int, ...]]:
     """:func:`plan_multi_homes`'s moves: from ``homes``, while the slowest rank gets faster (or stays
     as fast with less time in all), give one matrix it touches other homes."""
@@ -498,7 +507,10 @@ def _local_moves(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple[int,
         m = np.zeros(world, bool)
         m[w] = True
         is_whole.append(m)
+    work = 0  # ranks looked at, each move costed at least MOVE_WORK_MIN_RANKS (a bound, not a clock: deterministic)
     for _ in range(4 * len(tasks) + world):
+        if work > MOVE_WORK:
+            break
         b = int(np.argmax(t_rank))  # the slowest rank; ties: the lowest
         limit = float(t_rank[b])
         best = None
@@ -516,6 +528,7 @@ def _local_moves(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple[int,
             if len(hs) == 1:  # HSDP: one home per replica group, or NS at every holder
                 cands += [c for c in replica_homes(tasks[i], hs[0]) if c != hs]
             for new_hs in dict.fromkeys(cands):
+                work += max(world, MOVE_WORK_MIN_RANKS)
                 new = costs(i, new_hs)
                 touched = np.flatnonzero((part[i] != 0) | (new != 0))
                 now = t_rank[touched]

@@ -164,6 +164,16 @@ def _ident(group) -> Tuple[Tuple[int, ...], str]:
     return ranks, str(dist.get_backend(group))
 
 
+def planner_task(layout: Layout, i: int, ns: NSSettings, wire_bytes: int) -> MatrixTask:
+    """What the planner is told of matrix ``i`` of ``layout``: shape, NS cost, bytes per element on
+    the wire, elements each rank holds and its replica groups (HSDP).  :func:`compile_exchanges`
+    plans on it and :meth:`ds_muon.Muon.summary` reports it, so the two cannot drift apart."""
+    info = layout.matrices[i]
+    return MatrixTask(info.rows, info.cols, ns.steps, wire_bytes,
+                      tuple(info.held_numel(r) for r in range(layout.world_size)), ns.method,
+                      replica_groups([h for _, h in info.distinct_pieces()]))
+
+
 def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict], *, mode: str, planner: str,
                       cost_model: CostModel, comm_dtype: Optional[torch.dtype], waves: int,
                       group: Optional[dist.ProcessGroup] = None,
@@ -204,12 +214,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
         if mode == "duplicated":
             homes = {i: tuple(range(layout.world_size)) for i in idx}
         else:
-            tasks = [
-                MatrixTask(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, gdt.itemsize,
-                           tuple(layout.matrices[i].held_numel(r) for r in range(layout.world_size)), ns_at[i].method,
-                           replica_groups([h for _, h in layout.matrices[i].distinct_pieces()]))
-                for i in idx
-            ]
+            tasks = [planner_task(layout, i, ns_at[i], gdt.itemsize) for i in idx]
             homes = dict(zip(idx, plan_multi_homes(tasks, layout.world_size, cost_model, planner)))
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
         for wave in split_waves(idx, cost, waves):

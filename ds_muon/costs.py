@@ -17,7 +17,8 @@ On a 2-D mesh (``ds-muon plan --mesh``, :func:`mesh_rows`): HSDP ``replicate=R,s
 and FSDP x TP ``dp=D,tp=T``, with bytes split inside / across nodes
 (:meth:`CostModel.link_seconds <ds_muon.planner.CostModel.link_seconds>`): today's
 per-replica plan, each NS once in the world, the per-matrix choice between them, and the
-baselines.  These rows are analytic (equal pieces, LPT), not the optimizer's plan.
+baselines.  These rows are analytic (equal pieces, LPT); the ``auto`` row is the optimizer's own plan
+(:func:`planned_mesh_cost`) on the same holdings and replica groups the optimizer would see.
 
 Every number of the world-size table is the planner's own: the sharded rows read the :class:`~ds_muon.planner.Plan`
 the optimizer would use (its NS cost, traffic and modelled step time), the baselines
@@ -27,11 +28,13 @@ into seconds with the same :meth:`CostModel.seconds <ds_muon.planner.CostModel.s
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .planner import CostModel, MatrixTask, gather_traffic, host_traffic, pair_traffic, plan_homes, plan_multi_homes
+from .planner import (CostModel, MatrixTask, gather_traffic, host_traffic, pair_traffic, plan_homes, plan_multi_homes,
+                      replica_groups)
 
 SHARDED = ("locality", "lpt", "round_robin")
 BASELINES = ("duplicated", "deepspeed_owner")
@@ -169,9 +172,8 @@ def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostMode
 def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
     """The optimizer's ``planner="auto"`` (:func:`~ds_muon.planner.plan_multi_homes`), counted the way
     its exchange moves bytes (:func:`~ds_muon.planner.pair_traffic`)."""
-    tasks = [t if len(t.held) == world else MatrixTask(t.rows, t.cols, t.steps, t.elem_bytes,
-                                                       tuple(t.held) + (0,) * (world - len(t.held)), t.method)
-             for t in tasks]
+    tasks = [t if len(t.held) == world else dataclasses.replace(t, held=tuple(t.held) + (0,) * (world - len(t.held)))
+             for t in tasks]  # replica groups kept: the optimizer plans with them
     homes = plan_multi_homes(tasks, world, cm, "auto")
     ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
     links = [set() for _ in range(world)]
@@ -244,7 +246,7 @@ def tasks_for(shapes: Sequence[Tuple[int, int]], world: int, layout: str, steps:
 
 # --- Multi-dimensional meshes (HSDP replicate x shard, FSDP dp x TP), node-aware -------------------
 
-MESH_STRATEGIES = ("per_replica", "one_home", "hierarchical", "duplicated", "deepspeed_owner")
+MESH_STRATEGIES = ("per_replica", "one_home", "hierarchical", "auto", "duplicated", "deepspeed_owner")
 
 
 @dataclass
@@ -413,10 +415,53 @@ def tp_cost(tasks: Sequence[MatrixTask], dp: int, tp: int, strategy: str, cm: Co
     return MeshCost(strategy, ns, intra, inter, cm, note)
 
 
+def mesh_tasks(shapes: Sequence[Tuple[int, int]], kind: str, outer: int, inner: int, steps: int = 5,
+               elem_bytes: int = 2) -> List[MatrixTask]:
+    """The optimizer's planner input on a mesh (as :func:`ds_muon.compile.planner_task` builds it): rank
+    ``o * inner + k`` (row-major, torch's ``init_device_mesh`` order) holds piece ``k`` of ``inner`` near-equal
+    pieces (HSDP: replicated over ``outer`` groups, with :func:`~ds_muon.planner.replica_groups`), or piece
+    ``o * inner + k`` of ``outer * inner`` (FSDP x TP: every rank its own piece, no replicas)."""
+    world = outer * inner
+    out = []
+    for r, c in shapes:
+        n = r * c
+        if kind == "hsdp":
+            piece = [n // inner + (k < n % inner) for k in range(inner)]
+            held = tuple(piece[q % inner] for q in range(world))
+            groups = replica_groups([[o * inner + k for o in range(outer)] for k in range(inner)])
+        else:
+            held, groups = tuple(n // world + (q < n % world) for q in range(world)), ()
+        out.append(MatrixTask(r, c, steps, elem_bytes, held, groups=groups))
+    return out
+
+
+def planned_mesh_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> MeshCost:
+    """The optimizer's own plan (``planner="auto"``, :func:`~ds_muon.planner.plan_multi_homes`) on
+    :func:`mesh_tasks`, its bytes counted as the exchange moves them (:func:`~ds_muon.planner.pair_traffic`)."""
+    homes = plan_multi_homes(tasks, world, cm, "auto")
+    ns, intra, inter = [0.0] * world, [0.0] * world, [0.0] * world
+    for t, hs in zip(tasks, homes):
+        for h in hs:
+            ns[h] += t.flops
+        for (a, b), n in pair_traffic(t, hs).items():
+            side = intra if cm.node(a) == cm.node(b) else inter
+            side[a] += n * t.elem_bytes
+            side[b] += n * t.elem_bytes
+    per_group = sum(len(hs) > 1 for hs in homes)
+    return MeshCost("auto", ns, intra, inter, cm, f"the optimizer's plan: {per_group} of {len(tasks)} with several homes")
+
+
 def mesh_rows(shapes: Sequence[Tuple[int, int]], spec: str, cm: CostModel, steps: int = 5, elem_bytes: int = 2,
               strategies: Sequence[str] = MESH_STRATEGIES) -> List[Dict[str, object]]:
     """One row per strategy on the mesh ``spec`` (:func:`parse_mesh`)."""
     kind, outer, inner = parse_mesh(spec)
     tasks = [MatrixTask(r, c, steps, elem_bytes) for r, c in shapes]
     fn = hsdp_cost if kind == "hsdp" else tp_cost
-    return [fn(tasks, outer, inner, s, cm).row(spec, len(tasks)) for s in strategies]
+    rows = []
+    for s in strategies:
+        if s == "auto":  # the optimizer's planner on what each rank holds, replica groups included
+            cost = planned_mesh_cost(mesh_tasks(shapes, kind, outer, inner, steps, elem_bytes), outer * inner, cm)
+        else:
+            cost = fn(tasks, outer, inner, s, cm)
+        rows.append(cost.row(spec, len(tasks)))
+    return rows

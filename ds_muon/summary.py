@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .compile import compile_exchanges, ns_settings
+from .compile import compile_exchanges, ns_settings, planner_task
 from .exchange import Exchange
 from .layout import Layout, global_shape
 from .newton_schulz import ns_flops
@@ -67,6 +67,7 @@ class MatrixRow:
     ns_steps: int
     ns_method: str
     wire_bytes: int  # bytes per element of its gather
+    groups: Tuple[Tuple[int, ...], ...] = ()  # replica groups of its domain (HSDP; the planner's input too)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ class Summary:
                              "planner's table compares one domain at a time")
         if not rows:
             return []
-        tasks = [MatrixTask(m.shape[0], m.shape[1], m.ns_steps, m.wire_bytes, m.held, m.ns_method) for m in rows]
+        tasks = [MatrixTask(m.shape[0], m.shape[1], m.ns_steps, m.wire_bytes, m.held, m.ns_method, m.groups)
+                 for m in rows]  # the optimizer's planner input (compile_exchanges), replica groups included
         return costs.compare(tasks, len(rows[0].held), cost_model or CostModel(),
                              costs.STRATEGIES if strategies is None else strategies)
 
@@ -163,7 +165,8 @@ class Summary:
         with open(path) as f:
             d = json.load(f)
         tensors = [TensorRow(**{**t, "shape": tuple(t["shape"]), "matrices": tuple(
-            MatrixRow(**{**m, "shape": tuple(m["shape"]), "homes": tuple(m["homes"]), "held": tuple(m["held"])})
+            MatrixRow(**{**m, "shape": tuple(m["shape"]), "homes": tuple(m["homes"]), "held": tuple(m["held"]),
+                         "groups": tuple(tuple(g) for g in m.get("groups", ()))})
             for m in t["matrices"])}) for t in d.pop("tensors")]
         return cls(tensors, [RankRow(**r) for r in d.pop("ranks")], **d)
 
@@ -305,10 +308,10 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
                     for h in at:
                         flops[h] += cost
                         homed[h] += 1
+                    task = planner_task(layout, i, ns, ex.gather_dtype.itemsize)  # what the optimizer planned on
                     by_key[info.key] = MatrixRow(
                         info.key, (info.rows, info.cols), update_scale(g, (info.rows, info.cols), slot.transposed),
-                        at, cost, tuple(info.held_numel(r) for r in range(layout.world_size)), d, ns.steps,
-                        ns.method, ex.gather_dtype.itemsize)
+                        at, cost, task.held, d, ns.steps, ns.method, task.elem_bytes, task.groups)
     tensors = _tensor_rows(opt, groups, bindings, by_key)
     all_ranks = sorted(set(sent) | set(flops)) or [_this_rank()]
     rank_rows = [RankRow(r, homed[r], flops[r], sent[r], received[r]) for r in all_ranks]

@@ -388,3 +388,51 @@ def test_deepspeed_moe_group_split_keeps_reasons_aligned():
         (["2.weight"], ["hidden matrix"], None), (["1.weight"], ["hidden matrix"], "ep_size_2"),
         (["0.weight", "1.bias", "2.bias"], ["embedding", "1-D", "1-D"], None)]
     assert all(len(g["param_tags"]) == len(g["params"]) for g in groups if g["use_muon"])
+
+
+# -- W=4 HSDP 2x2: the summary plans on the optimizer's input, replica groups included ------------------
+def _hsdp_worker(rank, world):
+    from test_mesh import OPTS, GatedMLP, _wrap, record
+    from test_mesh_plan import INTER_EXPENSIVE
+
+    model = GatedMLP()
+    _wrap("hsdp", model)
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), cost_model=INTER_EXPENSIVE)  # default planner
+    record(model, opt)
+    homes = {ex.layout.matrices[i].key: tuple(ex.homes[i]) for ex in opt.exchanges() for i in ex.active}
+    s = opt.summary()
+    return dict(summary=dataclasses.asdict(s), homes=homes, sent=sum(ex.bytes_sent for ex in opt.exchanges()),
+                planner=opt.planner, plan=s.plan_rows(["auto"], INTER_EXPENSIVE)[0])
+
+
+def test_hsdp_summary_and_its_plan_table_are_the_optimizers_plan(tmp_path):
+    """HSDP 2x2 where bytes between replica groups are dear: the default planner gives every matrix one
+    home per replica group.  The summary's homes and per-rank NS are the exchanges', and its planner's
+    table (``plan_rows``, ``ds-muon plan --summary``) plans on the same input, replica groups included,
+    so its "auto" row moves the bytes the exchanges move."""
+    out = dist_harness.run(_hsdp_worker, 4, timeout=240)
+    homes = out[0]["homes"]
+    assert out[0]["planner"] == "auto"
+    assert all(sorted(h // 2 for h in hs) == [0, 1] for hs in homes.values()), homes  # one per replica group
+    matrices = [m for t in out[0]["summary"]["tensors"] for m in t["matrices"]]
+    assert {m["key"]: tuple(m["homes"]) for m in matrices} == homes
+    assert all(tuple(map(tuple, m["groups"])) == ((0, 1), (2, 3)) for m in matrices), matrices
+    flops = {m["key"]: m["ns_flops"] for m in matrices}
+    for rank, r in enumerate(out):
+        assert r["homes"] == homes
+        mine = sum(flops[k] for k, hs in homes.items() if rank in hs)
+        assert [x["ns_flops"] for x in r["summary"]["ranks"] if x["rank"] == rank] == [mine]
+        assert [x["bytes_sent"] for x in r["summary"]["ranks"] if x["rank"] == rank] == [r["sent"]]
+    plan = out[0]["plan"]
+    ranks = out[0]["summary"]["ranks"]
+    assert plan["max_bytes_sent"] == max(x["bytes_sent"] for x in ranks) > 0
+    assert plan["total_bytes_moved"] == sum(x["bytes_sent"] for x in ranks)
+    mean = sum(x["ns_flops"] for x in ranks) / 4
+    assert plan["ns_max_over_mean"] == round(max(x["ns_flops"] for x in ranks) / mean, 4)
+    # saved and loaded (ds-muon plan --summary): the same table
+    from ds_muon.summary import Summary
+    from test_mesh_plan import INTER_EXPENSIVE
+
+    path = tmp_path / "hsdp.json"
+    path.write_text(json.dumps(out[0]["summary"]))
+    assert Summary.load(str(path)).plan_rows(["auto"], INTER_EXPENSIVE)[0] == plan

@@ -555,9 +555,11 @@ def _step_seconds(tasks: Sequence[MatrixTask], homes: Sequence[Tuple[int, ...]],
 
 
 def _best_duplication(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple[int, ...]]:
-    """Local moves stall on ties between equally slow ranks; so also try, for the 1, 2, 4, ... matrices
-    where it saves the most time in all, each one's best alternative: NS at every whole holder (DDP),
-    or one home per replica group / NS at every holder (HSDP, :func:`replica_homes`); keep the fastest plan."""
+    """Local moves stall on ties between equally slow ranks; so also try, for the 1, 2, 4, ... (up to all)
+    matrices where it saves the most time in all, each one's best alternative: NS at every whole holder
+    (DDP), or one home per replica group / NS at every holder (HSDP, :func:`replica_homes`); keep the
+    fastest plan.  Alternatives that cost more time in all stay in (last): at thousands of DDP ranks
+    duplicating everything still beats one home sending each result W-1 times."""
     tasks, world = costs.tasks, costs.world
 
     def alternatives(i: int) -> List[Tuple[int, ...]]:
@@ -578,8 +580,8 @@ def _best_duplication(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple
     best_alt = {}
     for i in range(len(tasks)):
         for alt in alternatives(i):
-            saving = now[i] - total(costs(i, alt))
-            if saving > 0 and (i not in best_alt or saving > best_alt[i][0]):
+            saving = now[i] - total(costs(i, alt))  # may be < 0: NS everywhere can still shorten the step
+            if i not in best_alt or saving > best_alt[i][0]:
                 best_alt[i] = (saving, alt)
     order = sorted(best_alt, key=lambda i: (-best_alt[i][0], i))
     best, best_t = homes, step(homes)

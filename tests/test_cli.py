@@ -135,15 +135,34 @@ def test_plan_mesh_cli(capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert cli.main(["plan", "--preset", "gpt-125m", "--mesh", "replicate=4,shard=8", "dp=4,tp=8", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["mesh"] for r in rows] == ["replicate=4,shard=8"] * 5 + ["dp=4,tp=8"] * 5
-    assert [r["strategy"] for r in rows[:5]] == list(costs.MESH_STRATEGIES)
-    hsdp = {r["strategy"]: r for r in rows[:5]}
+    n = len(costs.MESH_STRATEGIES)
+    assert [r["mesh"] for r in rows] == ["replicate=4,shard=8"] * n + ["dp=4,tp=8"] * n
+    assert [r["strategy"] for r in rows[:n]] == list(costs.MESH_STRATEGIES)
+    hsdp = {r["strategy"]: r for r in rows[:n]}
     assert hsdp["per_replica"]["max_inter_node_MB"] == 0  # shard groups inside a node
     assert hsdp["one_home"]["ns_tflop_per_rank"] < hsdp["per_replica"]["ns_tflop_per_rank"]
     assert hsdp["hierarchical"]["modelled_step_ms"] <= min(hsdp["one_home"]["modelled_step_ms"],
                                                            hsdp["per_replica"]["modelled_step_ms"])
     assert cli.main(["plan", "--preset", "gpt-125m", "--mesh", "replicate=4,shard=8", "--ranks-per-node", "8"]) == 0
     assert "8 ranks per node" in capsys.readouterr().out
+
+
+def test_mesh_auto_row_is_the_optimizers_plan():
+    """The mesh table's "auto" row plans on the optimizer's input: the holdings and replica groups an HSDP
+    2x2 layout gives the planner (as tests/test_mesh_plan.py's), so bytes between replica groups
+    follow the cost model exactly as in the optimizer."""
+    from ds_muon.planner import plan_multi_homes, replica_groups
+
+    n = 1024
+    tasks = costs.mesh_tasks([(n, n)] * 4, "hsdp", 2, 2)
+    assert tasks == [MatrixTask(n, n, 5, 2, (n * n // 2,) * 4, groups=replica_groups([[0, 2], [1, 3]]))] * 4
+    dear_bytes = CostModel(flops_per_s=1e15, bytes_per_s=1e6, ranks_per_node=2, intra_bytes_per_s=1e12)
+    dear_ns = CostModel(flops_per_s=1e3, bytes_per_s=1e12, ranks_per_node=2, intra_bytes_per_s=1e12)
+    for cm, several in ((dear_bytes, 4), (dear_ns, 0)):
+        row = {r["strategy"]: r for r in costs.mesh_rows([(n, n)] * 4, "replicate=2,shard=2", cm)}["auto"]
+        homes = plan_multi_homes(tasks, 4, cm)
+        assert sum(len(h) > 1 for h in homes) == several and f"{several} of 4 with several homes" in row["note"]
+        assert (row["max_inter_node_MB"] == 0) == (several == 4), (row, homes)
 
 
 @pytest.mark.parametrize("spec", ["replicate=4", "pp=2,dp=4", "dp=x,tp=2", "dp=0,tp=8"])

@@ -86,8 +86,10 @@ def _worker(rank, world, kind, split=False, overlap=False):
         _wrap(kind, model)
         if split:
             _split(model)
+        # planner="locality": one home per matrix in the whole world (check_once_in_the_world); the default
+        # "auto" chooses per HSDP matrix by the cost model (tests/test_mesh_plan.py)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype,
-                           overlap=overlap, model=model if overlap else None)
+                           overlap=overlap, model=model if overlap else None, planner="locality")
         grads, params = record(model, opt)
         out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=_ns_work(opt, rank), split=split,
                              placements={n: str(p.placements) for n, p in model.named_parameters()})

@@ -235,8 +235,10 @@ def _ddp_worker(rank, world, overlap, skip_forward_on_rank1):
 
     model = make_model()
     ddp = DDP(model)
+    # planner="locality": one home per matrix, so one scatter per wave is counted (the default "auto"
+    # may duplicate NS on DDP replicas and move nothing: tests/test_ddp_homes.py)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=torch.float32,
-                       overlap=overlap, waves=3, model=model)
+                       overlap=overlap, waves=3, model=model, planner="locality")
     counts = None
     for t in range(STEPS):
         x, y = batch(t)

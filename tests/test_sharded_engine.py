@@ -111,8 +111,10 @@ def _replicated_worker(rank, world, ns_dtype, mode, profile):
     mats, bias = _initial()
     mats = [nn.Parameter(m) for m in mats]
     bias = nn.Parameter(bias)
+    # planner="locality": one home per matrix, whose collectives are counted below (the default "auto"
+    # may duplicate NS on replicas instead: tests/test_ddp_homes.py)
     opt = ds_muon.Muon([{"params": mats}, {"params": [bias], "use_muon": False, "lr": 1e-2}],
-                       mode=mode, **_opts(ns_dtype))
+                       mode=mode, planner="locality", **_opts(ns_dtype))
     counts = None
     for t in range(STEPS):
         gm, gb = _grads(t)

@@ -321,7 +321,7 @@ def _check_domains(out):
         assert {k: m["homes"] for k, m in matrices.items()} == homes
         assert matrices["experts[0]"]["homes"] == matrices["experts[1]"]["homes"] == (rank,)
         mine = s["ranks"][rank]
-        assert mine["matrices"] == 2 + (homes["dense"] == (rank,)) and mine["bytes_sent"] == sent
+        assert mine["matrices"] == 2 + (rank in homes["dense"]) and mine["bytes_sent"] == sent  # auto: may be both
         assert any("expert domains" in n for n in s["notes"])
 
 

@@ -320,12 +320,9 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
     ranks, mesh = spanning[0], meshes[spanning[0]]
     if sorted(ranks) == list(range(dist.get_world_size())):
         return None
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    raise ValueError(
-        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)}, not the "
-        "whole world; pass Muon(..., process_group=) a process group spanning exactly those ranks (one that every "
-        "rank of the mesh created with torch.distributed.new_group)")
+    from .integrations.fsdp2 import mesh_process_group  # the group the layouts plan in: one per mesh
+
+    return mesh_process_group(mesh, f"the DTensor parameters (on ranks {sorted(ranks)})")
 
 
 def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[int]], checks: List[int],

@@ -106,29 +106,57 @@ def _hsdp_tp(rank, ns_dtype, split):
 
 
 def _stages(rank, ns_dtype, sub_mesh_dims):
-    """One model and optimizer per ``pp`` coordinate, FSDP2 on a sub-mesh over that stage's ranks:
-    ``(pp, dp)`` -> the 1-D ``dp`` mesh; ``(pp, replicate, shard)`` -> HSDP on a 2-D sub-mesh."""
+    """One model and optimizer per ``pp`` coordinate, on a sub-mesh over that stage's ranks:
+    ``(pp, dp)`` -> FSDP2 on the 1-D ``dp`` mesh; ``(pp, replicate, shard)`` -> HSDP on a 2-D
+    sub-mesh; ``(pp, dp, tp)`` -> TP on ``tp``, then FSDP2 on ``dp`` (torchtitan's PP x FSDP x TP)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     shape = (2,) + (2,) * len(sub_mesh_dims)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp",) + sub_mesh_dims)
     stage = mesh["pp"].get_local_rank()
     model = test_mesh.GatedMLP(seed=stage)  # different stages, different weights and batches
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    sub = mesh[sub_mesh_dims] if len(sub_mesh_dims) > 1 else mesh[sub_mesh_dims[0]]
-    fully_shard(model, mesh=sub)
+    stage_mesh = mesh[sub_mesh_dims] if len(sub_mesh_dims) > 1 else mesh[sub_mesh_dims[0]]
+    if "tp" in sub_mesh_dims:
+        parallelize_module(model, mesh["tp"], {"w_in": ColwiseParallel(), "w_gate": ColwiseParallel(),
+                                               "w_out": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        fully_shard(model, mesh=stage_mesh)
     seen = set()
     opt, (grads, params) = _train(model, ns_dtype, False, _stage_batch(stage), seen)
     return dict(init=init, grads=grads, params=params, split=False, ns_work=test_mesh._ns_work(opt, rank),
                 placements={n: str(p.placements) for n, p in model.named_parameters()},
-                stage_ranks=tuple(sorted(int(r) for r in sub.mesh.flatten().tolist())), seen=seen)
+                stage_ranks=tuple(sorted(int(r) for r in stage_mesh.mesh.flatten().tolist())), seen=seen)
 
 
-def _worker(rank, world, variants):
+def _unnamed_sub_mesh_error(rank):
+    """A DTensor on a 2-D DeviceMesh without mesh_dim_names over half the world (ranks 0, 1 or 2, 3;
+    fully_shard itself refuses such a mesh, distribute_tensor does not): its ranks cannot be
+    flattened into one group, so step() must refuse on every rank, naming the parameter."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    meshes = [DeviceMesh("cpu", [[0], [1]]), DeviceMesh("cpu", [[2], [3]])]  # every rank builds both
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), meshes[rank // 2], [Replicate(), Shard(0)]))
+    w.grad = torch.ones_like(w)
+    opt = ds_muon.Muon([w], lr=0.02)
+    try:
+        opt.step()
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def _worker(rank, world, variants, unnamed_mesh=False):
     out = {}
     for name, fn, args in variants:
         out[name] = {ns_dtype: fn(rank, ns_dtype, *args) for ns_dtype in test_mesh.DTYPES}
+    if unnamed_mesh:
+        out["unnamed"] = _unnamed_sub_mesh_error(rank)
     return out
 
 
@@ -159,10 +187,11 @@ def _check_stages(results):
 
 W8 = (("hsdp_tp", _hsdp_tp, (False,)),
       ("hsdp_tp_split", _hsdp_tp, (True,)),
-      ("pp_hsdp", _stages, (("replicate", "shard"),)))
+      ("pp_hsdp", _stages, (("replicate", "shard"),)),
+      ("pp_fsdp_tp", _stages, (("dp", "tp"),)))
 
 
-def test_w8_3d_hsdp_x_tp_and_hsdp_stages_on_2d_sub_meshes():
+def test_w8_3d_meshes_hsdp_x_tp_and_pipeline_stages_on_2d_sub_meshes():
     results = dist_harness.run(_worker, 8, W8, timeout=170)
 
     hsdp_tp = _variant(results, "hsdp_tp")
@@ -182,9 +211,18 @@ def test_w8_3d_hsdp_x_tp_and_hsdp_stages_on_2d_sub_meshes():
     assert stages[0][torch.float32]["placements"]["proj.weight"] == "(Replicate(), Shard(dim=0))"
     _check_stages(stages)
 
+    stages = _variant(results, "pp_fsdp_tp")
+    placements = stages[0][torch.float32]["placements"]
+    assert placements["w_out.weight"] == "(Shard(dim=0), Shard(dim=1))", placements
+    assert placements["proj.weight"] == "(Shard(dim=0),)", placements  # planned over its stage's (dp, tp)
+    _check_stages(stages)
+
 
 def test_w4_pipeline_stages_on_1d_meshes_of_two_ranks():
-    results = dist_harness.run(_worker, 4, (("pp_fsdp", _stages, (("dp",),)),), timeout=120)
+    results = dist_harness.run(_worker, 4, (("pp_fsdp", _stages, (("dp",),)),), True, timeout=120)
     stages = _variant(results, "pp_fsdp")
     assert [r[torch.float32]["stage_ranks"] for r in stages] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     _check_stages(stages)
+    for rank, res in enumerate(results):  # a 2-D sub-mesh without dim names: refused on every rank
+        assert res["unnamed"] and "param_groups[0]['params'][0]" in res["unnamed"] and "mesh_dim_names" in res["unnamed"], (
+            rank, res["unnamed"])

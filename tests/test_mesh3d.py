@@ -8,10 +8,12 @@
   4-rank sub-mesh.  Uneven everywhere (22 rows -> 11 -> 6/5, 13 rows 7/6, 9 rows 5/4).
   Each matrix must be orthogonalized once in the whole world of 8 ranks.
 * Pipeline stages: two independent models and optimizers, one per ``pp`` coordinate, each
-  FSDP2 on a mesh over its own half of the world (a 1-D mesh of 2 ranks at W=4; HSDP on a
-  2-D ``("replicate", "shard")`` sub-mesh of 4 ranks at W=8).  Every collective the
-  optimizer issues must stay inside its stage's ranks (recorded by wrapping
-  ``torch.distributed`` during ``step()``).
+  on a mesh over its own half of the world: FSDP2 on a 1-D mesh of 2 ranks at W=4; at W=8
+  HSDP on a 2-D ``("replicate", "shard")`` sub-mesh of 4 ranks, and FSDP2 x TP on ``("dp",
+  "tp")`` (torchtitan's PP x FSDP x TP).  Every collective the optimizer issues must stay
+  inside its stage's ranks (recorded by wrapping ``torch.distributed`` during ``step()``).
+  A DTensor on an unnamed 2-D sub-mesh (whose ranks cannot be flattened) is refused on
+  every rank, naming the tensor.
 
 The reference is test_mesh's: every rank records the full gradients of each step and the
 full parameters after it; single-process ds_muon fed those gradients must give

@@ -226,5 +226,5 @@ def test_w4_pipeline_stages_on_1d_meshes_of_two_ranks():
     assert [r[torch.float32]["stage_ranks"] for r in stages] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     _check_stages(stages)
     for rank, res in enumerate(results):  # a 2-D sub-mesh without dim names: refused on every rank
-        assert res["unnamed"] and "param_groups[0]['params'][0]" in res["unnamed"] and "mesh_dim_names" in res["unnamed"], (
-            rank, res["unnamed"])
+        error = res["unnamed"] or ""
+        assert "param_groups[0]['params'][0]" in error and "mesh_dim_names" in error, (rank, error)

@@ -74,10 +74,11 @@ def _stage_batch(stage):
     return lambda step: torch.randn(6, 10, generator=torch.Generator().manual_seed(300 + 10 * stage + step))
 
 
-def _train(model, ns_dtype, split, batch, ranks_seen):
+def _train(model, ns_dtype, split, batch, ranks_seen, overlap=False):
     if split:
         test_mesh._split(model)
-    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype)
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype,
+                       overlap=overlap, model=model if overlap else None)
     real_step = opt.step
 
     def step(*args, **kwargs):
@@ -88,8 +89,9 @@ def _train(model, ns_dtype, split, batch, ranks_seen):
     return opt, test_mesh.record(model, opt, batch)
 
 
-def _hsdp_tp(rank, ns_dtype, split):
-    """HSDP x TP on the 3-D mesh: TP on ``tp``, then ``fully_shard`` on ``("replicate", "shard")``."""
+def _hsdp_tp(rank, ns_dtype, split, overlap=False):
+    """HSDP x TP on the 3-D mesh: TP on ``tp``, then ``fully_shard`` on ``("replicate", "shard")``
+    (``overlap``: gathers start in FSDP2's hook, after the reduce-scatter and the replicate all-reduce)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -101,10 +103,10 @@ def _hsdp_tp(rank, ns_dtype, split):
                                            "w_out": RowwiseParallel()})
     fully_shard(model, mesh=mesh["replicate", "shard"])
     seen = set()
-    opt, (grads, params) = _train(model, ns_dtype, split, None, seen)
+    opt, (grads, params) = _train(model, ns_dtype, split, None, seen, overlap)
     return dict(init=init, grads=grads, params=params, split=split, ns_work=test_mesh._ns_work(opt, rank),
                 placements={n: str(p.placements) for n, p in model.named_parameters()}, stage_ranks=None,
-                seen=seen)
+                seen=seen, early=(opt._dispatch.dispatched, opt._dispatch.redone) if overlap else None)
 
 
 def _stages(rank, ns_dtype, sub_mesh_dims):
@@ -189,6 +191,7 @@ def _check_stages(results):
 
 W8 = (("hsdp_tp", _hsdp_tp, (False,)),
       ("hsdp_tp_split", _hsdp_tp, (True,)),
+      ("hsdp_tp_overlap", _hsdp_tp, (False, True)),
       ("pp_hsdp", _stages, (("replicate", "shard"),)),
       ("pp_fsdp_tp", _stages, (("dp", "tp"),)))
 
@@ -208,6 +211,10 @@ def test_w8_3d_meshes_hsdp_x_tp_and_pipeline_stages_on_2d_sub_meshes():
     keys = split[0][torch.float32]["ns_work"][1]
     assert {"w_in.weight[q]", "w_in.weight[k]", "w_out.weight[a]", "w_out.weight[b]"} <= set(keys), keys
     test_mesh._check_parity(split)
+    overlap = _variant(results, "hsdp_tp_overlap")
+    test_mesh._check_parity(overlap)
+    early = [r[ns_dtype]["early"] for r in overlap for ns_dtype in test_mesh.DTYPES]
+    assert all(sent > 0 and redone == 0 for sent, redone in early), early  # last step's gathers sent from backward
 
     stages = _variant(results, "pp_hsdp")
     assert stages[0][torch.float32]["placements"]["proj.weight"] == "(Replicate(), Shard(dim=0))"

@@ -320,9 +320,14 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
     ranks, mesh = spanning[0], meshes[spanning[0]]
     if sorted(ranks) == list(range(dist.get_world_size())):
         return None
-    from .integrations.fsdp2 import mesh_process_group  # the group the layouts plan in: one per mesh
-
-    return mesh_process_group(mesh, f"the DTensor parameters (on ranks {sorted(ranks)})")
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.mesh_dim_names:  # the group the layouts plan in (integrations/fsdp2.py); DeviceMesh caches it
+        return mesh._flatten().get_group()
+    raise ValueError(
+        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)} without "
+        "mesh_dim_names, not the whole world; build the mesh with mesh_dim_names, or pass Muon(..., process_group=) "
+        "a process group spanning exactly those ranks (one that every rank created with torch.distributed.new_group)")
 
 
 def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[int]], checks: List[int],

@@ -183,7 +183,7 @@ def _planning_mesh(param, used: list):
     return best
 
 
-def mesh_process_group(mesh, name: str):
+def _mesh_group(mesh, name: str):
     """The process group over every rank of ``mesh``: a matrix is planned once over all of them
     (replicas hold identical pieces and get the result fanned out)."""
     if mesh.ndim == 1:
@@ -234,7 +234,7 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
             f"{tuple(hi - lo for lo, hi in ranges)} but it is {tuple(local.shape)}; the shard does not match "
             "its metadata"
         )
-    group = mesh_process_group(plan_mesh if plan_mesh is not None else mesh, name)
+    group = _mesh_group(plan_mesh if plan_mesh is not None else mesh, name)
     if experts and ranges[1:] != [(0, n) for n in param.shape[1:]]:  # EP x FSDP2 Shard(1)/Shard(2)
         return ParamBinding(param, _dtensor_flat, expert_block_slots(param, name, ranges), group=group)
     (r0, r1) = ranges[0]

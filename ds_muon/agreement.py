@@ -322,10 +322,12 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
         return None
     if mesh.ndim == 1:
         return mesh.get_group()
+    if mesh.mesh_dim_names:  # the group the layouts plan in (integrations/fsdp2.py); DeviceMesh caches it
+        return mesh._flatten().get_group()
     raise ValueError(
-        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)}, not the "
-        "whole world; pass Muon(..., process_group=) a process group spanning exactly those ranks (one that every "
-        "rank of the mesh created with torch.distributed.new_group)")
+        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)} without "
+        "mesh_dim_names, not the whole world; build the mesh with mesh_dim_names, or pass Muon(..., process_group=) "
+        "a process group spanning exactly those ranks (one that every rank created with torch.distributed.new_group)")
 
 
 def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[int]], checks: List[int],

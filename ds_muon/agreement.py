@@ -135,8 +135,9 @@ class Rows:
 
 class Agreement:
     """The step's check, before anything changes: one small all_reduce of a table with a
-    row per tensor (gradient present or not, finite or not, replica fingerprints), one
-    row "an early dispatch is stale" and one row of settings fingerprints.
+    row per tensor (gradient present or not, finite or not, replica fingerprints), a row
+    per group of copies of a shard (their fingerprints), one row "an early dispatch is
+    stale" and one row of settings fingerprints.
 
     Raises on the first problem, the same error on every rank (the flags are summed over
     ranks, not local).  Caches, per set of tensors, where each tensor's row goes, and
@@ -175,8 +176,8 @@ class Agreement:
         ``stale(minmax)`` locally; when any rank finds it stale, every rank calls its ``redo()``.
         """
         key = tuple(id(p) for _, _, p in items)
-        layout = self._rows_for(items, name, group, world, key)
-        rows, hash_at, nrows, names = layout.rows, layout.hash_at, layout.count, layout.names
+        where = self._rows_for(items, name, group, world, key)
+        rows, hash_at, nrows, names = where.rows, where.hash_at, where.count, where.names
         has, missing = [], []  # rows with a gradient; rows without one (but with local elements)
         grads, checks, hashed, ids = [], [], [], []  # non-empty local gradients: their rows, fingerprint rows
         for i, (gi, pi, p) in enumerate(items):
@@ -203,7 +204,7 @@ class Agreement:
         extra = [[0] * COLUMNS, hashed_row(settings_hash(settings)) if world > 1 else [0] * COLUMNS]
         grads_on = mm.device if mm is not None else torch.device("cpu")
         device = _comm_device(group, grads_on) if world > 1 else grads_on
-        table = _on_device(nrows, has, missing, extra, checks, mm, hashed, stale, device, bool(layout.copies))
+        table = _on_device(nrows, has, missing, extra, checks, mm, hashed, stale, device, bool(where.copies))
         if world > 1:
             dist.all_reduce(table, group=group)
         codes = _summary(table, nrows).tolist()  # the step's one device-to-host read
@@ -227,8 +228,8 @@ class Agreement:
                     "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
                 )
             drift = [k for k, c in enumerate(codes) if c & DRIFT]
-            if drift[0] >= layout.main:
-                raise ValueError(_copies_differ(layout, drift, items, name))
+            if drift[0] >= where.main:
+                raise ValueError(_copies_differ(where, drift, items, name))
             raise RuntimeError(
                 f"ds_muon: {names[drift[0]]} (and {len(drift) - 1} more) is replicated (every rank holds all of it) "
                 "but its gradient differs between ranks, so the ranks would train different models: gradients are "
@@ -236,7 +237,7 @@ class Agreement:
                 "transformers' Trainer do not call trainer.evaluate() before trainer.train() (it then never wraps "
                 "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
         return Verdict({id(p) for r, (_, _, p) in zip(rows, items) if codes[r] & ACTIVE},
-                       [names[k] for k, c in enumerate(codes[:layout.main]) if c & NONFINITE_BIT])
+                       [names[k] for k, c in enumerate(codes[:where.main]) if c & NONFINITE_BIT])
 
     def _rows_for(self, items, name, group, world, key: tuple) -> Rows:
         """Where each tensor's flags and fingerprint go in the one all_reduce of :meth:`check`.
@@ -325,9 +326,9 @@ def _copy_columns(everyone, n: int):
             yield j, column
 
 
-def _copies_differ(layout: Rows, drift: List[int], items, name) -> str:
+def _copies_differ(where: Rows, drift: List[int], items, name) -> str:
     """The error for copies of a shard whose gradients differ (named only now: it costs a mesh lookup)."""
-    k, ranks = layout.copies[drift[0] - layout.main]
+    k, ranks = where.copies[drift[0] - where.main]
     gi, pi, p = items[k]
     more = f" (and {len(drift) - 1} more)" if len(drift) > 1 else ""
     return (

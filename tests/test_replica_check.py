@@ -34,7 +34,7 @@ def _attempt(model, opt, batch, nudge=None):
     try:
         opt.step()
         out = (None, None, None)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, FloatingPointError) as e:
         out = (type(e).__name__, str(e), all(torch.equal(before[n], p.to_local())
                                              for n, p in model.named_parameters()))
     opt.zero_grad(set_to_none=True)
@@ -119,9 +119,11 @@ def _worker(rank, world):
     batch = test_mesh._batch(0)
     # FSDP2 x TP: proj is on the dp sub-mesh, copied on both tp ranks of each dp group
     model = _tp_model()
-    opt = _muon(model, overlap=True, model=model)  # a gather may already have left during backward
+    opt = _muon(model, overlap=True, model=model)  # from the second step gathers leave during backward
+    out["tp_honest"] = [_attempt(model, opt, batch)]
     out["tp_nudged"] = _attempt(model, opt, batch, _nudge_on(rank, 1, "proj.weight"))
-    out["tp_then_honest"] = _attempt(model, opt, batch)
+    out["tp_honest"].append(_attempt(model, opt, batch))
+    out["tp_dispatched"] = opt._dispatch.dispatched
     # a data loader that gives the tp ranks of a dp group different batches: the layers after TP's
     # all-reduce see the same activations again, those before it (embed) do not
     model = _embedded_tp_model()
@@ -132,6 +134,11 @@ def _worker(rank, world):
     opt = _muon(model)
     out["hsdp_nudged"] = _attempt(model, opt, batch, _nudge_on(rank, 2, "w_gate.weight"))
     out["hsdp_then_honest"] = _attempt(model, opt, batch)
+    def nan(params):
+        params["w_gate.weight"].grad.to_local().view(-1)[0].fill_(float("nan"))
+
+    nan = nan if rank == 2 else None
+    out["hsdp_nan"] = _attempt(model, opt, batch, nan)  # a non-finite copy is reported as such
     for dtype in (torch.float32, torch.bfloat16):  # honest, with an empty shard: no false alarm
         tiny = _Tiny().to(dtype)
         test_mesh._wrap("hsdp", tiny)
@@ -164,16 +171,20 @@ def _raised_everywhere(case, *named):
 
 def test_fsdp2_tp_copies_with_different_gradients_raise_on_every_rank():
     _raised_everywhere("tp_nudged", "proj.weight (copies on ranks [0, 1], mesh dim 'tp')")
-    assert all(r["tp_then_honest"] == (None, None, None) for r in _results())
+    assert all(r["tp_honest"] == [(None, None, None)] * 2 for r in _results())
+    assert all(r["tp_dispatched"] > 0 for r in _results())  # overlap engaged: gathers leave in backward
 
 
 def test_fsdp2_tp_ranks_fed_different_batches_raise_on_every_rank():
-    _raised_everywhere("tp_batches", "embed.weight (copies on ranks [0, 1], mesh dim 'tp')", "give the ranks of a tp group the same batch")
+    _raised_everywhere("tp_batches", "embed.weight (copies on ranks [0, 1], mesh dim 'tp')",
+                       "give the ranks of a tp group the same batch")
 
 
 def test_hsdp_replica_with_a_different_gradient_raises_on_every_rank():
     _raised_everywhere("hsdp_nudged", "w_gate.weight (copies on ranks [0, 2], mesh dim 'replicate')")
     assert all(r["hsdp_then_honest"] == (None, None, None) for r in _results())
+    for kind, msg, unchanged in (r["hsdp_nan"] for r in _results()):
+        assert kind == "FloatingPointError" and unchanged and "non-finite gradient in w_gate.weight" in msg, msg
 
 
 def test_hsdp_honest_copies_pass_in_fp32_and_bf16_with_empty_shards():

@@ -1,8 +1,8 @@
 """Host time of ``Muon.step()`` per matrix: many tiny matrices, so NS and communication cost
 next to nothing and what remains is Python and small kernels per tensor.
 
-For each stack (one process; DDP-style replicas, FSDP2 and DeepSpeed ZeRO-2 at W=2 gloo
-ranks) a model of N independent ``Linear(8, 8)`` weights is trained with ds_muon for a few
+For each stack (one process; DDP-style replicas, FSDP2, HSDP (2 replicas x 1 shard) and
+DeepSpeed ZeRO-2 at W=2 gloo ranks) a model of N independent ``Linear(8, 8)`` weights is trained with ds_muon for a few
 steps at two sizes; ``step()`` alone is timed (medians, the slowest rank), in wall time and
 in process CPU time (the machine may be shared: wall time swings, CPU time much less).
 The last columns are the cost of one more matrix: (time at N_large - time at N_small) / ΔN.
@@ -28,7 +28,7 @@ import dist_harness
 import ds_muon
 import ds_muon.deepspeed
 
-STACKS = ("single", "ddp", "fsdp2", "zero2")
+STACKS = ("single", "ddp", "fsdp2", "hsdp", "zero2")
 DIM = 8
 
 
@@ -76,6 +76,12 @@ def _build(stack: str, n: int):
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    elif stack == "hsdp":  # every shard copied on every rank: the copies' gradients are checked
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(), 1),
+                                                 mesh_dim_names=("replicate", "shard")))
     elif stack == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     opt = ds_muon.Muon(model.parameters(), lr=0.02)

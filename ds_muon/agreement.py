@@ -8,6 +8,12 @@ ride in it and need no collective of their own:
   DeepSpeed stage 0) must get the same gradient on every rank; a model that was
   never wrapped (or whose wrapper was bypassed) trains each rank on its own data,
   and Muon's scattered results would hide the drift of everything else;
+* **copies stay copies** — ranks that hold identical copies of a DTensor's shard
+  (HSDP's replicate dim; parameters FSDP2 x TP leaves on the ``dp`` sub-mesh, one
+  copy per ``tp`` coordinate; dense parameters of EP x FSDP2) must get the same
+  gradient: ds_muon orthogonalizes one copy and its result overwrites the others,
+  so a difference would be lost silently.  Each group of copies gets a row of its
+  own, fingerprinted by its members only (:mod:`~ds_muon.copies`);
 * **settings agree** — NS steps, dtypes, planner, learning rates … must be equal
   on every rank, or the exchange sizes or the updates differ.
 
@@ -26,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from .copies import copy_key, describe, holders
 from .extremes import Extremes
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
 
@@ -108,10 +115,29 @@ class Verdict:
     nonfinite: List[str]  # names of the tensors whose gradient is NaN or ±inf on some rank
 
 
+@dataclass
+class Rows:
+    """Where each tensor's flags go in the all_reduce (see :meth:`Agreement._rows_for`).
+
+    ``rows[i]``: item ``i``'s row (gradient present, finite); ``hash_at[i]``: the row its
+    gradient's fingerprint goes to (-1: none), its own row for a tensor every rank holds
+    whole, a row of its group of copies for a shard held by several ranks.  Rows
+    ``[0, main)`` are the tensors' own; ``copies[j]`` is ``(item, global ranks)`` of row
+    ``main + j``."""
+
+    rows: List[int]
+    hash_at: List[int]
+    count: int
+    main: int
+    names: List[str]
+    copies: List[Tuple[int, List[int]]]
+
+
 class Agreement:
     """The step's check, before anything changes: one small all_reduce of a table with a
-    row per tensor (gradient present or not, finite or not, replica fingerprints), one
-    row "an early dispatch is stale" and one row of settings fingerprints.
+    row per tensor (gradient present or not, finite or not, replica fingerprints), a row
+    per group of copies of a shard (their fingerprints), one row "an early dispatch is
+    stale" and one row of settings fingerprints.
 
     Raises on the first problem, the same error on every rank (the flags are summed over
     ranks, not local).  Caches, per set of tensors, where each tensor's row goes, and
@@ -119,15 +145,13 @@ class Agreement:
     """
 
     def __init__(self):
-        self._rows: Dict[tuple, tuple] = {}  # per set of tensors: rows of the all_reduce
-        self._replicas: Dict[tuple, List[bool]] = {}  # per set of tensors: which are held whole everywhere
+        self._rows: Dict[tuple, Rows] = {}  # per set of tensors: rows of the all_reduce
         self._mesh: Optional[tuple] = None  # (binding signature, group of the DTensors' mesh)
         self._extremes = Extremes()  # each gradient's (min, max), many at once
 
     def clear(self) -> None:
         self._extremes.clear()
         self._rows.clear()
-        self._replicas.clear()
         self._mesh = None
 
     def group(self, process_group, param_groups, signature) -> Tuple[Optional[dist.ProcessGroup], int]:
@@ -152,10 +176,10 @@ class Agreement:
         ``stale(minmax)`` locally; when any rank finds it stale, every rank calls its ``redo()``.
         """
         key = tuple(id(p) for _, _, p in items)
-        rows, nrows, names = self._rows_for(items, name, group, world, key)
-        replicas = self._replicas_for(items, world, key)
+        where = self._rows_for(items, name, group, world, key)
+        rows, hash_at, nrows, names = where.rows, where.hash_at, where.count, where.names
         has, missing = [], []  # rows with a gradient; rows without one (but with local elements)
-        grads, checks, hashed, ids = [], [], [], []  # non-empty local gradients: their rows, replica or not
+        grads, checks, hashed, ids = [], [], [], []  # non-empty local gradients: their rows, fingerprint rows
         for i, (gi, pi, p) in enumerate(items):
             g = p.grad
             if g is None:
@@ -170,7 +194,7 @@ class Agreement:
             if lg.numel():
                 grads.append(lg)
                 checks.append(rows[i])
-                hashed.append(replicas[i])
+                hashed.append(hash_at[i])
                 ids.append(id(p))
         # min and max of every gradient, in a few calls: NaN and ±inf both show up in them
         mm = self._extremes(grads) if grads else None
@@ -180,7 +204,7 @@ class Agreement:
         extra = [[0] * COLUMNS, hashed_row(settings_hash(settings)) if world > 1 else [0] * COLUMNS]
         grads_on = mm.device if mm is not None else torch.device("cpu")
         device = _comm_device(group, grads_on) if world > 1 else grads_on
-        table = _on_device(nrows, has, missing, extra, checks, mm, hashed, stale, device)
+        table = _on_device(nrows, has, missing, extra, checks, mm, hashed, stale, device, bool(where.copies))
         if world > 1:
             dist.all_reduce(table, group=group)
         codes = _summary(table, nrows).tolist()  # the step's one device-to-host read
@@ -204,6 +228,8 @@ class Agreement:
                     "need the same treatment everywhere, e.g. set their grad to zeros or None on all ranks)"
                 )
             drift = [k for k, c in enumerate(codes) if c & DRIFT]
+            if drift[0] >= where.main:
+                raise ValueError(_copies_differ(where, drift, items, name))
             raise RuntimeError(
                 f"ds_muon: {names[drift[0]]} (and {len(drift) - 1} more) is replicated (every rank holds all of it) "
                 "but its gradient differs between ranks, so the ranks would train different models: gradients are "
@@ -211,36 +237,29 @@ class Agreement:
                 "transformers' Trainer do not call trainer.evaluate() before trainer.train() (it then never wraps "
                 "the model; use TrainingArguments(eval_on_start=True)). Nothing was changed")
         return Verdict({id(p) for r, (_, _, p) in zip(rows, items) if codes[r] & ACTIVE},
-                       [names[k] for k, c in enumerate(codes) if c & NONFINITE_BIT])
+                       [names[k] for k, c in enumerate(codes[:where.main]) if c & NONFINITE_BIT])
 
-    def _replicas_for(self, items, world: int, ids: tuple) -> List[bool]:
-        """Which of ``items`` every rank holds whole (their gradients must agree), by row of
-        ``items``; worked out once per set of tensors, not every step."""
-        key = (world, ids)
-        cached = self._replicas.get(key)
-        if cached is None:
-            cached = self._replicas[key] = [world > 1 and _is_replica(p) for _, _, p in items]
-        return cached
-
-    def _rows_for(self, items, name, group, world, key: tuple) -> Tuple[List[int], int, List[str]]:
-        """Where each tensor's flags go in the one all_reduce of :meth:`check`.
+    def _rows_for(self, items, name, group, world, key: tuple) -> Rows:
+        """Where each tensor's flags and fingerprint go in the one all_reduce of :meth:`check`.
 
         Tensors without a :func:`~ds_muon.domain` tag (or whose domain is the whole
         agreement group) are the same tensors on every rank: one row each, in order.
         Tensors of a smaller domain (expert data parallelism) differ between domains,
         so each domain gets its own block of rows, written only by its members: the
         sums then count agreement within the domain, and every rank still sees every
-        problem (and raises or skips alike).  The block layout is agreed once per set
-        of tensors (``key``: their ids; one all_gather_object); returns (row of each item,
-        rows, row names).
+        problem (and raises or skips alike).  A tensor every rank holds whole is
+        fingerprinted in its own row; a DTensor shard that several ranks hold
+        identical copies of gets one more row per group of copies, fingerprinted by
+        that group's members only.  The layout is agreed once per set of tensors
+        (``key``: their ids; one all_gather_object).
         """
-        cached = self._rows.get(key)
+        cached = self._rows.get((world, key))
         if cached is not None:
             return cached
         names = [name(gi, pi) for gi, pi, _ in items]
         if world == 1:
-            out = (list(range(len(items))), len(items), names)
-            self._rows[key] = out
+            n = len(items)
+            out = self._rows[(world, key)] = Rows(list(range(n)), [-1] * n, n, n, names, [])
             return out
         from .tags import domain_of
 
@@ -258,15 +277,16 @@ class Agreement:
                         f"ds_muon: {names[k]} is tagged with a domain of ranks {list(ranks)}, not all of which are in "
                         f"the optimizer's process_group (ranks {sorted(here)})")
                 mine.setdefault(ranks, []).append(k)
+        keys = [copy_key(items[k][2]) for k in common]
         everyone = [None] * world
-        dist.all_gather_object(everyone, (len(common), {r: [names[k] for k in ks] for r, ks in mine.items()}),
-                               group=group)
-        if len({n for n, _ in everyone}) > 1:
+        dist.all_gather_object(everyone, (len(common), {r: [names[k] for k in ks] for r, ks in mine.items()},
+                                          keys if any(c is not None for c in keys) else None), group=group)
+        if len({n for n, _, _ in everyone}) > 1:
             raise ValueError(
                 "ds_muon: ranks list different numbers of tensors outside expert domains "
-                f"({[n for n, _ in everyone]} by rank); every rank must build the optimizer over the same model")
+                f"({[n for n, _, _ in everyone]} by rank); every rank must build the optimizer over the same model")
         blocks: Dict[tuple, List[str]] = {}
-        for r, (_, doms) in enumerate(everyone):
+        for r, (_, doms, _) in enumerate(everyone):
             for ranks, dnames in doms.items():
                 if here[r] not in ranks:
                     raise ValueError(f"ds_muon: rank {here[r]} tags {dnames[0]} with a domain it is not in {list(ranks)}")
@@ -284,9 +304,41 @@ class Agreement:
             for j, k in enumerate(mine.get(ranks, [])):
                 rows[k] = len(row_names) + j
             row_names.extend(f"{n} (domain of ranks {list(ranks)})" for n in blocks[ranks])
-        out = (rows, len(row_names), row_names)
-        self._rows[key] = out
+        hash_at = [rows[k] if _is_replica(p) else -1 for k, (_, _, p) in enumerate(items)]
+        main, copies = len(row_names), []
+        me = dist.get_rank(group)
+        for j, column in _copy_columns(everyone, len(common)):
+            for members in holders(column):
+                if me in members:
+                    hash_at[common[j]] = main + len(copies)
+                copies.append((common[j], [here[r] for r in members]))
+        out = self._rows[(world, key)] = Rows(rows, hash_at, main + len(copies), main, row_names, copies)
         return out
+
+
+def _copy_columns(everyone, n: int):
+    """``(j, key of common tensor j on each rank)`` for the tensors some rank holds a copy key of."""
+    lists = [keys if keys is not None else [None] * n for _, _, keys in everyone]
+    if all(keys is None for _, _, keys in everyone):
+        return
+    for j, column in enumerate(zip(*lists)):
+        if any(c is not None for c in column):
+            yield j, column
+
+
+def _copies_differ(where: Rows, drift: List[int], items, name) -> str:
+    """The error for copies of a shard whose gradients differ (named only now: it costs a mesh lookup)."""
+    k, ranks = where.copies[drift[0] - where.main]
+    gi, pi, p = items[k]
+    more = f" (and {len(drift) - 1} more)" if len(drift) > 1 else ""
+    return (
+        f"ds_muon: {describe(name(gi, pi), p, ranks)}{more}: ranks that hold identical copies of this shard got "
+        "different gradients. ds_muon orthogonalizes one copy and overwrites the others with its result, so the "
+        "difference would be lost silently. Copies (HSDP's replicate dim; parameters tensor parallelism leaves on "
+        "the dp sub-mesh, one per tp rank; dense parameters under expert parallelism, one per ep rank) must see "
+        "the same data: give the ranks of a tp group the same batch, combine what differs between them (e.g. "
+        "all_reduce expert outputs over ep) before these parameters, and let FSDP reduce gradients on every "
+        "micro-batch you step on. Nothing was changed")
 
 
 def _is_replica(p: torch.Tensor) -> bool:
@@ -322,19 +374,23 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
         return None
     if mesh.ndim == 1:
         return mesh.get_group()
+    if mesh.mesh_dim_names:  # the group the layouts plan in (integrations/fsdp2.py); DeviceMesh caches it
+        return mesh._flatten().get_group()
     raise ValueError(
-        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)}, not the "
-        "whole world; pass Muon(..., process_group=) a process group spanning exactly those ranks (one that every "
-        "rank of the mesh created with torch.distributed.new_group)")
+        f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)} without "
+        "mesh_dim_names, not the whole world; build the mesh with mesh_dim_names, or pass Muon(..., process_group=) "
+        "a process group spanning exactly those ranks (one that every rank created with torch.distributed.new_group)")
 
 
 def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[int]], checks: List[int],
-               mm: Optional[torch.Tensor], hashed: List[bool], stale, device: torch.device) -> torch.Tensor:
+               mm: Optional[torch.Tensor], hashed: List[int], stale, device: torch.device,
+               copies: bool = False) -> torch.Tensor:
     """The agreement table on ``device``: ``nrows`` rows of tensors (``has``: rows with a gradient,
-    ``missing``: without one) and the ``extra`` rows, with the finite flags, replica fingerprints
+    ``missing``: without one) and the ``extra`` rows, with the finite flags, fingerprints
     and the stale flag written in on the device, so that reading the (reduced) table is the
     step's only wait for the device.  ``mm[j]`` is the (min, max) of row ``checks[j]``'s
-    gradient, fingerprinted when ``hashed[j]``."""
+    gradient, fingerprinted in row ``hashed[j]`` (-1: not); ``copies``: some of those rows are
+    rows of groups of copies (not ``checks[j]`` itself)."""
     table = torch.cat([torch.zeros((nrows, COLUMNS), dtype=torch.int64), torch.tensor(extra, dtype=torch.int64)])
     if has:
         table[torch.tensor(has, dtype=torch.int64), HAS_GRAD] = 1
@@ -344,12 +400,17 @@ def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[
     if checks:
         mm = mm.to(device)
         row = _host_to(device, checks)
-        table[row, NONFINITE] = (~torch.isfinite(mm).all(dim=1)).to(torch.int64)
-        replica = [j for j, rep in enumerate(hashed) if rep]
-        if replica:  # its gradient must be the same on every rank
-            pick = _host_to(device, replica) if len(replica) < len(hashed) else None
-            h = minmax_hash(mm if pick is None else mm[pick])
-            at = row if pick is None else row[pick]
+        nonfinite = (~torch.isfinite(mm).all(dim=1)).to(torch.int64)
+        table[row, NONFINITE] = nonfinite
+        pick = [j for j, at in enumerate(hashed) if at >= 0]
+        if pick:  # its gradient must be that of every rank holding it (whole, or a copy of the same shard)
+            sub = _host_to(device, pick) if len(pick) < len(hashed) else None
+            h = minmax_hash(mm if sub is None else mm[sub])
+            if copies:  # rows of their own; a non-finite copy is reported as such, not as a difference
+                at = _host_to(device, [hashed[j] for j in pick])
+                table[at, NONFINITE] = nonfinite if sub is None else nonfinite[sub]
+            else:
+                at = row if sub is None else row[sub]
             table[at, N_HASHED] = 1
             table[at, HASH] = h
             table[at, HASH_SQ] = h * h

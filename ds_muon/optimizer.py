@@ -41,6 +41,7 @@ from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, f
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
 from .layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
+from .offload import accelerator
 from .overlap import OverlapSettings, Wave
 from .pieces import WavePieces
 from .summary import Summary, log_first_step, summarize
@@ -131,7 +132,7 @@ class Muon(Optimizer):
         self.model = model
         self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
-        self.cost_model = cost_model or CostModel()
+        self.cost_model = cost_model  # None: CostModel.for_device of where NS runs (planning_cost_model)
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
         self.nonfinite_skips = 0
@@ -537,11 +538,23 @@ class Muon(Optimizer):
         for layout, todo in work:
             key = exchange_key(layout, todo, self.param_groups)
             compiled = self._exchanges.get(key, lambda: compile_exchanges(
-                layout, todo, self._muon_groups(), mode=self.mode, planner=self.planner, cost_model=self.cost_model,
+                layout, todo, self._muon_groups(), mode=self.mode, planner=self.planner,
+                cost_model=self.planning_cost_model(),
                 comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group),
                 offload=bool(getattr(self.adapter, "offload", False))))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
+
+    def planning_cost_model(self) -> CostModel:
+        """The rates the planner uses: ``cost_model`` if given, else :meth:`CostModel.for_device`
+        of the device Newton–Schulz runs on (the parameters' device, or the accelerator when
+        optimizer state is offloaded to the host)."""
+        if self.cost_model is not None:
+            return self.cost_model
+        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        if device.type == "cpu" and getattr(self.adapter, "offload", False) and accelerator() is not None:
+            device = accelerator()
+        return CostModel.for_device(device.type)
 
     def _gather(self, jobs: List[_Job]) -> list:
         """Stage 5: every wave's gather issued (of every domain) before any is waited on; a wave's

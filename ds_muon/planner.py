@@ -61,6 +61,18 @@ class CostModel:
         if self.exchange not in EXCHANGES:
             raise ValueError(f"ds_muon: CostModel(exchange={self.exchange!r}) is unknown; use one of {list(EXCHANGES)}")
 
+    @classmethod
+    def for_device(cls, device_type: str) -> "CostModel":
+        """The default rates for the device Newton–Schulz runs on, what ``Muon(cost_model=None)``
+        plans with.  An accelerator: the class defaults.  A CPU: 0.5 TFLOP/s (bf16 NS on one
+        AMX core of the project's Xeon; ``benchmarks/ns_roofline.py``) and 1.5 GB/s per rank
+        (a gloo all_to_all of 8–32 MB on loopback, 1.1–1.6 GB/s), so about 330 FLOPs cost one byte
+        instead of 8000: on a CPU, NS imbalance costs more than moving a matrix to balance it.
+        Both are a function of the device type alone, the same on every rank."""
+        if device_type == "cpu":
+            return cls(flops_per_s=0.5e12, bytes_per_s=1.5e9, intra_bytes_per_s=1.5e9)
+        return cls()
+
     def transport_seconds(self, world: int, peers: int) -> Dict[str, float]:
         """Latency of one exchange call per transport: all_to_all pays for every rank of the
         group, p2p for each peer a rank really sends to and receives from (bytes are equal)."""

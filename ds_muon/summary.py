@@ -292,7 +292,7 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
             d, domains = domains, domains + 1
             ranks = _global_ranks(layout)
             for ex, _ in compile_exchanges(layout, list(range(len(layout.matrices))), group_of, mode=opt.mode,
-                                           planner=opt.planner, cost_model=opt.cost_model,
+                                           planner=opt.planner, cost_model=opt.planning_cost_model(),
                                            comm_dtype=opt.comm_dtype, waves=opt.waves):
                 for r in range(layout.world_size):
                     them = _as_rank(ex, r)

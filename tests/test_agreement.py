@@ -27,6 +27,13 @@ def test_hashes_differ_exactly_when_contributions_differ():
     assert a.item() == b.item() != c.item()
 
 
+def test_copies_group_the_ranks_with_equal_keys():
+    from ds_muon.copies import holders
+
+    assert holders([5, None, 5, 7, 7, 9]) == [[0, 2], [3, 4]]  # a key held once is no copy
+    assert holders([None, None]) == [] and holders([1, 2, 3]) == []
+
+
 def _params(seed=0):
     g = torch.Generator().manual_seed(seed)
     return [nn.Parameter(torch.randn(s, generator=g)) for s in [(8, 12), (12, 8), (8,)]]

@@ -194,7 +194,8 @@ def _mesh_group(mesh, name: str):
     if not mesh.mesh_dim_names:
         raise NotImplementedError(
             f"ds_muon: {name} lives on a {mesh.ndim}-D DeviceMesh without mesh_dim_names that does not span "
-            "the world; name its dims (init_device_mesh(..., mesh_dim_names=...)) so its ranks can be flattened")
+            "the world; give the mesh mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)) so its ranks can "
+            "be flattened into one process group, or put this tensor in an AdamW group (use_muon=False)")
     return mesh._flatten().get_group(0)  # DeviceMesh caches it: one group per mesh
 
 

@@ -71,7 +71,9 @@ def _ep_worker(rank, world, dim1):
         fully_shard(model, mesh=mesh["dp"],
                     shard_placement_fn=(lambda p: Shard(1) if p.ndim == 3 else None) if dim1 else None)
         ds_muon.expert_weight(model.experts)  # E matrices [out, in]
-        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype)
+        # planner="locality": once in the world (_check_ep); "auto" may give the replicated proj a home per group
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype,
+                           planner="locality")
         grads, params = test_mesh.record(model, opt, _ep_batch)
         out[ns_dtype] = dict(init=init, grads=grads, params=params, ns_work=test_mesh._ns_work(opt, rank),
                              placements={n: str(p.placements) for n, p in model.named_parameters()},

@@ -197,7 +197,8 @@ def _split_worker(rank, world):
     flat = nn.Parameter(w.reshape(-1)[lo:hi].clone())
     flat._ds_muon_flat = True
     shaped = ds_muon.split_rows(torch.empty(w.shape, device="meta"), dict(QKV))  # tags only
-    o_rep = ds_muon.Muon([{"params": [rep], "param_names": ["qkv"]}], **OPTS)
+    # planner="locality": one home per block (the default "auto" may duplicate NS on the replicated copy)
+    o_rep = ds_muon.Muon([{"params": [rep], "param_names": ["qkv"]}], planner="locality", **OPTS)
     o_flat = ds_muon.Muon([{"params": [flat], "param_names": ["qkv"]}], adapter=HandAdapter(
         lambda p, n, context: ParamBinding(p, lambda t: t.reshape(-1), block_slots(shaped, n, lo, hi))), **OPTS)
     counts = []
@@ -368,7 +369,7 @@ def _moe_worker(rank, world):
 
     opt = ds_muon.Muon([{"params": [dense, experts], "param_names": ["dense", "experts"]},
                         {"params": [bias], "param_names": ["experts.bias"], "use_muon": False, "lr": 1e-2}],
-                       adapter=HandAdapter(describe), **OPTS)
+                       adapter=HandAdapter(describe), planner="locality", **OPTS)  # one home: collectives counted
 
     def set_grads(t, skip_experts=False):
         gd, ge, gb = _moe_grads(t)

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=["replicated", "partitioned"], default="partitioned",
                    help="replicated: DDP; partitioned: ZeRO-1/2 or FSDP1 flat shards")
     p.add_argument("--strategies", nargs="+", choices=ALL_STRATEGIES + costs.OPTIONAL, default=list(ALL_STRATEGIES),
-                   help="default: all but 'auto' (the optimizer's planner='auto'; slow to plan at thousands of ranks)")
+                   help="default: all ('auto' is the optimizer's default planner='auto')")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
     p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")

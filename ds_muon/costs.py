@@ -11,7 +11,9 @@ Strategies compared on the same shapes and holdings:
   a partition boundary is all-gathered and orthogonalized by each of its holders);
 * ``locality+dup`` — when ranks outnumber matrices, the idle ranks become extra
   homes of the matrices whose home sends the most, each home then scattering to
-  a share of the holders (duplicate NS, split scatter).
+  a share of the holders (duplicate NS, split scatter);
+* ``auto`` — the optimizer's default ``planner="auto"`` (:func:`multi_home_cost`): the
+  ``locality`` plan plus extra homes where the cost model says so.
 
 On a 2-D mesh (``ds-muon plan --mesh``, :func:`mesh_rows`): HSDP ``replicate=R,shard=S``
 and FSDP x TP ``dp=D,tp=T``, with bytes split inside / across nodes
@@ -38,8 +40,8 @@ from .planner import (CostModel, MatrixTask, gather_traffic, host_traffic, pair_
 
 SHARDED = ("locality", "lpt", "round_robin")
 BASELINES = ("duplicated", "deepspeed_owner")
-STRATEGIES = SHARDED + BASELINES + ("locality+dup",)
-OPTIONAL = ("auto",)  # the optimizer's planner="auto": plans in O(world x matrices) per move, so not a default row
+STRATEGIES = SHARDED + BASELINES + ("locality+dup", "auto")  # "auto": the optimizer's default planner
+OPTIONAL = ()  # rows only on request (none: "auto" plans in under a second at thousands of ranks)
 
 
 @dataclass

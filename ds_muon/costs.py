@@ -41,7 +41,7 @@ from .planner import (CostModel, MatrixTask, gather_traffic, host_traffic, pair_
 SHARDED = ("locality", "lpt", "round_robin")
 BASELINES = ("duplicated", "deepspeed_owner")
 STRATEGIES = SHARDED + BASELINES + ("locality+dup", "auto")  # "auto": the optimizer's default planner
-OPTIONAL = ()  # rows only on request (none: "auto" plans in under a second at thousands of ranks)
+OPTIONAL: tuple = ()  # rows only on request (none now: "auto" plans in under a second at thousands of ranks)
 
 
 @dataclass

@@ -8,9 +8,10 @@ Cost model (one step): rank r spends ``ns_flops(r) / flops_per_s`` on
 Newton–Schulz plus ``(bytes_in(r) + bytes_out(r)) / bytes_per_s`` on the two
 exchanges, where bytes count everything r sends or receives.  ``strategy="lpt"``
 is the classic longest-processing-time rule on NS cost alone (the baseline);
-``"locality"`` (default) runs the same LPT order but picks, for each matrix, the
+``"locality"`` runs the same LPT order but picks, for each matrix, the
 home that keeps the modelled slowest rank fastest, so a matrix the stack already
-delivered whole stays where it is unless moving it pays.  ``"auto"`` then gives
+delivered whole stays where it is unless moving it pays.  ``"auto"`` (the optimizer's
+default; the ``locality`` plan where nothing is replicated) then gives
 replicated matrices extra homes where running NS again costs less than sending the
 result (:func:`plan_multi_homes`), and chooses per HSDP matrix between one home in the
 world, one home per replica group (no bytes between groups) and NS at every holder.  With ``CostModel.ranks_per_node`` bytes between
@@ -556,14 +557,6 @@ def _local_moves(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple[int,
         t_rank[touched] = after
         homes[i], part[i] = new_hs, costs(i, new_hs)
     return homes
-
-
-def _step_seconds(tasks: Sequence[MatrixTask], homes: Sequence[Tuple[int, ...]], world: int, cm: CostModel) -> float:
-    t_rank = [0.0] * world
-    for t, hs in zip(tasks, homes):
-        for r, v in rank_seconds(t, hs, cm).items():
-            t_rank[r] += v
-    return max(t_rank)
 
 
 def _best_duplication(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple[int, ...]]:

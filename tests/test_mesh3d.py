@@ -77,8 +77,10 @@ def _stage_batch(stage):
 def _train(model, ns_dtype, split, batch, ranks_seen, overlap=False):
     if split:
         test_mesh._split(model)
+    # planner="locality": one home per matrix in the world (check_once_in_the_world); the default "auto"
+    # chooses per replicated matrix by the cost model (tests/test_mesh_plan.py)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **test_mesh.OPTS), momentum=0.9, ns_dtype=ns_dtype,
-                       overlap=overlap, model=model if overlap else None)
+                       overlap=overlap, model=model if overlap else None, planner="locality")
     real_step = opt.step
 
     def step(*args, **kwargs):

@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from ds_muon.costs import ns_lower_bound
@@ -201,3 +202,30 @@ def test_default_rates_follow_the_device_ns_runs_on():
     chosen = CostModel(flops_per_s=1e12)
     opt = Muon([w], cost_model=chosen)
     assert opt.planning_cost_model() is chosen and opt.cost_model is chosen
+
+
+def test_dense_costs_equal_the_dict_formulas():
+    """The planner weighs moves on dense per-rank vectors (``_Costs``, ``_home_seconds``), with a closed
+    form where the homes hold the matrix whole (DDP); they must equal :func:`rank_seconds` and
+    ``CostModel.seconds`` of :func:`task_traffic` exactly, rank for rank, or plans would drift."""
+    from ds_muon.planner import _Costs, _home_seconds, rank_seconds, replica_groups
+
+    world = 6
+    tasks = [MatrixTask(48, 32, 5, 2, (48 * 32,) * world),  # DDP: whole everywhere
+             MatrixTask(40, 40, 5, 4, (0, 1600, 1600, 0, 1600, 0)),  # whole on some ranks only
+             MatrixTask(30, 20, 5, 2, (200, 200, 200, 200, 200, 200),  # HSDP: 3 pieces x 2 replica groups
+                        groups=replica_groups([[0, 3], [1, 4], [2, 5]])),
+             MatrixTask(25, 24, 5, 2, (100, 100, 100, 100, 100, 100))]  # partitioned
+    for cm in (CostModel(), CostModel(ranks_per_node=2, bytes_per_s=1e9), CostModel(offload=True)):
+        costs = _Costs(tasks, world, cm)
+        for i, t in enumerate(tasks):
+            holders = [r for r in range(world) if t.held[r]]
+            for homes in [(h,) for h in range(world)] + [tuple(holders[:2]), tuple(holders), (0, 3), (1, 2, 5)]:
+                want = rank_seconds(t, homes, cm)
+                got = costs(i, homes)
+                assert [float(got[r]) for r in range(world)] == [want.get(r, 0.0) for r in range(world)], (i, homes)
+            for h in range(world):
+                want = {r: cm.seconds(t.flops if r == h else 0.0, (s + rc) * t.elem_bytes)
+                        for r, (s, rc) in task_traffic(t, h).items()}
+                got = _home_seconds(t, np.asarray(t.held), h, cm)
+                assert [float(got[r]) for r in range(world)] == [want.get(r, 0.0) for r in range(world)], (i, h)

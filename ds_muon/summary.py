@@ -110,6 +110,7 @@ class Summary:
     waves: int
     domains: int = 1
     notes: List[str] = field(default_factory=list)
+    cost_model: Optional[dict] = None  # the rates the optimizer planned with (CostModel fields)
 
     # -- counts ------------------------------------------------------------------
     @property
@@ -139,7 +140,8 @@ class Summary:
     # -- the planner's table -------------------------------------------------------
     def plan_rows(self, strategies: Optional[Sequence[str]] = None, cost_model=None) -> List[dict]:
         """The ``ds-muon plan`` table (:func:`ds_muon.costs.compare`) for this run's own matrices and
-        holdings: the optimizer's strategy next to the baselines, on what each rank really holds."""
+        holdings: the optimizer's strategy next to the baselines, on what each rank really holds, at
+        the rates the optimizer planned with (unless ``cost_model`` is given)."""
         from . import costs
         from .planner import CostModel, MatrixTask
 
@@ -151,7 +153,9 @@ class Summary:
             return []
         tasks = [MatrixTask(m.shape[0], m.shape[1], m.ns_steps, m.wire_bytes, m.held, m.ns_method, m.groups)
                  for m in rows]  # the optimizer's planner input (compile_exchanges), replica groups included
-        return costs.compare(tasks, len(rows[0].held), cost_model or CostModel(),
+        if cost_model is None:
+            cost_model = CostModel(**self.cost_model) if self.cost_model else CostModel()
+        return costs.compare(tasks, len(rows[0].held), cost_model,
                              costs.STRATEGIES if strategies is None else strategies)
 
     # -- saved for ``ds-muon plan --summary`` ------------------------------------------
@@ -327,7 +331,7 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
         notes.append("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
                      "bytes are known after the first step.")
     return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves, max(1, domains),
-                   notes)
+                   notes, dataclasses.asdict(opt.planning_cost_model()))
 
 
 def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]:

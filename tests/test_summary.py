@@ -22,6 +22,7 @@ from torch import nn
 import ds_muon
 from ds_muon.layout import matrix_shape
 from ds_muon.newton_schulz import ns_flops
+from ds_muon.planner import CostModel
 from ds_muon.tags import is_transposed
 from ds_muon.update import apply_coefficients
 
@@ -165,7 +166,18 @@ def test_saved_summary_feeds_ds_muon_plan(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["world_size"], r["strategy"]) for r in rows] == [(w, k) for w in (1, 4) for k in costs.STRATEGIES]
     assert all(r["matrices"] == 14 for r in rows)
-    assert rows[0] == s.plan_rows()[0]
+    assert rows[0] == s.plan_rows(cost_model=CostModel())[0]  # the CLI's rates: its flags (GPU defaults)
+
+
+def test_summary_plans_at_the_rates_the_optimizer_planned_with():
+    """Muon(cost_model=None) plans at CostModel.for_device; the summary keeps those rates, so its
+    table models this run's step (a CPU's), unless another cost model is passed."""
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(tiny_llama(), lr=LR))
+    s = opt.summary()
+    cpu = CostModel.for_device("cpu")
+    assert opt.planning_cost_model() == cpu and s.cost_model == dataclasses.asdict(cpu)
+    at_cpu, at_gpu = s.plan_rows(["locality"])[0], s.plan_rows(["locality"], CostModel())[0]
+    assert at_cpu["modelled_step_ms"] > 100 * at_gpu["modelled_step_ms"]  # 0.5 vs 400 TFLOP/s of NS
 
 
 def _log_records(caplog, opt, model, steps):

@@ -66,8 +66,9 @@ class CostModel:
     def for_device(cls, device_type: str) -> "CostModel":
         """The default rates for the device Newton–Schulz runs on, what ``Muon(cost_model=None)``
         plans with.  An accelerator: the class defaults.  A CPU: 0.5 TFLOP/s (bf16 NS on one
-        AMX core of the project's Xeon; ``benchmarks/ns_roofline.py``) and 1.5 GB/s per rank
-        (a gloo all_to_all of 8–32 MB on loopback, 1.1–1.6 GB/s), so about 330 FLOPs cost one byte
+        core of the project's 2-core box, ``benchmarks/ns_roofline.py``) and 1.5 GB/s per rank
+        (a gloo all_to_all of 8 MB per peer on loopback: 1.1–1.8 GB/s, ``benchmarks/a2a_scale.py
+        --worlds 2 --elems 2097152``), so about 330 FLOPs cost one byte
         instead of 8000: on a CPU, NS imbalance costs more than moving a matrix to balance it.
         Both are a function of the device type alone, the same on every rank."""
         if device_type == "cpu":

@@ -83,7 +83,9 @@ def settings_of(optimizer) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for k in ("mode", "planner", "waves", "comm_dtype", "nonfinite", "adam_betas", "adam_eps"):
         out[k] = _plain(getattr(optimizer, k, None))
-    out["cost_model"] = repr(getattr(optimizer, "cost_model", None))
+    # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
+    # type differs would plan other homes, so it must fail here, not in the exchange
+    out["cost_model"] = repr(optimizer.planning_cost_model())
     out["overlap"] = getattr(optimizer, "_deferred", None) is not None
     out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
     for gi, g in enumerate(optimizer.param_groups):

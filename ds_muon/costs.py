@@ -89,14 +89,20 @@ def sharded_cost(tasks: Sequence[MatrixTask], world: int, strategy: str, cm: Cos
     sent, recv = plan.traffic()
     per_home = [plan.homes.count(r) for r in range(world)]
     host = host_traffic(plan.tasks, world) if cm.offload else None
-    links = [set() for _ in range(world)]
-    for t, h in zip(plan.tasks, plan.homes):
-        for r, n in enumerate(t.held):
-            if n > 0 and r != h:
-                links[r].add(h)
-                links[h].add(r)
     return StrategyCost(strategy, plan.ns_cost, sent, recv, plan.step_time(), 2, max(per_home), host,
-                        [len(x) for x in links])
+                        peer_counts(plan.tasks, [(h,) for h in plan.homes], world))
+
+
+def peer_counts(tasks: Sequence[MatrixTask], homes: Sequence[Sequence[int]], world: int) -> List[int]:
+    """How many other ranks each rank's exchange talks to (either direction), from the pairs
+    :func:`~ds_muon.planner.pair_traffic` moves bytes between: the ``max_peers`` of ``--exchange``."""
+    links = [set() for _ in range(world)]
+    for t, hs in zip(tasks, homes):
+        for (a, b), n in pair_traffic(t, hs).items():
+            if n:
+                links[a].add(b)
+                links[b].add(a)
+    return [len(x) for x in links]
 
 
 def _modelled(strategy: str, ns: List[float], sent: List[float], recv: List[float], collectives: int,
@@ -178,7 +184,6 @@ def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> S
              for t in tasks]  # replica groups kept: the optimizer plans with them
     homes = plan_multi_homes(tasks, world, cm, "auto")
     ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
-    links = [set() for _ in range(world)]
     for t, hs in zip(tasks, homes):
         for h in hs:
             ns[h] += t.flops
@@ -186,11 +191,8 @@ def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> S
         for (a, b), n in pair_traffic(t, hs).items():
             sent[a] += n * t.elem_bytes
             recv[b] += n * t.elem_bytes
-            if n:
-                links[a].add(b)
-                links[b].add(a)
     cost = _modelled("auto", ns, sent, recv, 2 if any(sent) else 0, count, cm, tasks)  # no bytes: no collective
-    cost.peers = [len(x) for x in links]
+    cost.peers = peer_counts(tasks, homes, world)
     return cost
 
 

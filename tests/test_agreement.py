@@ -9,6 +9,7 @@ from torch import nn
 
 import ds_muon
 from ds_muon import agreement
+from ds_muon.planner import CostModel
 
 import dist_harness
 
@@ -84,6 +85,13 @@ def _agreement_worker(rank, world):
     # the same gradients everywhere: no false alarm
     _set_grads(ps, 5)
     out["same"] = _attempt(opt, ps)
+    # the planner's rates are compared, not how they were given: one rank's default (a CPU's) against
+    # the same rates passed explicitly steps; a GPU's rates on one rank would plan other homes
+    for key, chosen in (("same_rates", CostModel.for_device("cpu")), ("other_rates", CostModel.for_device("cuda"))):
+        ps = _params()
+        opt = ds_muon.Muon(_groups(ps), cost_model=chosen if rank == 1 else None)
+        _set_grads(ps, 0)
+        out[key] = _attempt(opt, ps)
     return out
 
 
@@ -99,6 +107,10 @@ def test_settings_and_replicas_checked_on_every_rank():
         assert kind == "RuntimeError" and unchanged and msg.startswith("ds_muon: w1 (and 2 more) is replicated")
         assert "Wrap the model in DDP" in msg
         assert out["same"] == (None, None, None)
+        assert out["same_rates"] == (None, None, None)
+        kind, msg, unchanged = out["other_rates"]
+        assert kind == "ValueError" and unchanged and msg.startswith("ds_muon: optimizer settings differ between ranks: "
+                                                                     'cost_model is "CostModel(flops_per_s=500000000000.0')
     # momentum from the one good step only, and equal on both ranks
     assert results[0]["drift"][3] == results[1]["drift"][3] > 0
 

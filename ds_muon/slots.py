@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import MatrixSlot, Piece, global_shape, matrix_shape, slots_in_range
-from .tags import EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
+from .tags import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
 
 Block = Tuple[str, Tuple[int, int], int]  # key, 2-D shape, start in the tensor's row-major flattening
 
@@ -29,6 +29,8 @@ def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
     ``name[label]``, experts ``name[e]``.
     """
     shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))
+    if getattr(param, BLOCKS, None) is not None:
+        return [(k, bshape, off) for k, bshape, off, _, _ in strided_blocks(param, name, shape)]
     split = getattr(param, SPLIT_ROWS, None)
     if getattr(param, EXPERTS, False):
         if len(shape) < 3:
@@ -57,10 +59,90 @@ def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
     return out
 
 
+StridedBlock = Tuple[str, Tuple[int, int], int, Tuple[int, ...], Tuple[int, ...]]
+
+
+def strided_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None) -> List[StridedBlock]:
+    """The :func:`~ds_muon.tags.fused_blocks` of a tensor: ``(key, (rows, cols), offset, sizes, strides)``,
+    each block the 4-D view ``[row runs, run rows, col runs, run cols]`` of the tensor's row-major
+    flattening from ``offset`` (its row-major order is the block's)."""
+    shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))
+    if getattr(param, EXPERTS, False):
+        rows, cols = shape[1], math.prod(shape[2:])
+        bases = [(f"{name}[{e}]", e * rows * cols) for e in range(shape[0])]
+    else:
+        rows, cols = matrix_shape(shape)
+        bases = [(name, 0)]
+    out = []
+    for key, base in bases:
+        for label, (r0, rl, rn, rp), (c0, cl, cn, cp) in getattr(param, BLOCKS):
+            out.append((f"{key}[{label}]", (rn * rl, cn * cl), base + r0 * cols + c0,
+                        (rn, rl, cn, cl), (rp * cols, cols, cp, 1)))
+    return out
+
+
+def _position(i: int, sizes, strides) -> int:
+    """Where element ``i`` (row-major) of a strided view sits in the flattening it views."""
+    pos = 0
+    for n, st in zip(reversed(sizes), reversed(strides)):
+        i, r = divmod(i, n)
+        pos += r * st
+    return pos
+
+
+def _count_before(x: int, offset: int, sizes, strides, numel: int) -> int:
+    """How many elements of a strided block (positions increase with the index) sit before ``x``."""
+    lo, hi = 0, numel
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if offset + _position(mid, sizes, strides) < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _range_view(sizes, strides, a: int, b: int):
+    """Elements ``[a, b)`` of a strided view as one strided view ``(start index, sizes, strides)``, or None."""
+    for k in range(len(sizes)):
+        inner = math.prod(sizes[k + 1:])
+        outer = inner * sizes[k]
+        if a % inner == 0 and b % inner == 0 and a // outer == (b - 1) // outer:
+            return a, ((b - a) // inner,) + tuple(sizes[k + 1:]), tuple(strides[k:])
+    return None
+
+
+def _strided_slots(param, name, lo, hi, local_offset, shape) -> List[MatrixSlot]:
+    """Slots of a fused-blocks tensor for a rank holding ``[lo, hi)`` of its flattening: each block's
+    held elements are a contiguous piece of the block, read through one strided local view."""
+    slots = []
+    for key, bshape, off, sizes, strides in strided_blocks(param, name, shape):
+        numel = bshape[0] * bshape[1]
+        a = _count_before(lo, off, sizes, strides, numel)
+        b = _count_before(hi, off, sizes, strides, numel) if hi > lo else a
+        if b <= a:
+            slots.append(MatrixSlot(key, tuple(bshape), None, 0, transposed=is_transposed(param)))
+            continue
+        view = _range_view(sizes, strides, a, b)
+        if view is None:
+            raise NotImplementedError(
+                f"ds_muon: {key} is a block of a fused projection of which this rank holds elements [{a}, {b}) "
+                f"of {numel}, cut across its runs where the stack split the tensor, so they are not one strided "
+                "view. Shard it along whole rows of the fused weight (FSDP2 fully_shard, a world size dividing "
+                "its heads), or build the groups with muon_param_groups(..., split_fused=False)")
+        start, vsizes, vstrides = view
+        first = off + _position(start, sizes, strides)
+        slots.append(MatrixSlot(key, tuple(bshape), Piece(a, b - a), first - lo + local_offset,
+                                transposed=is_transposed(param), local_view=(vsizes, vstrides)))
+    return slots
+
+
 def block_slots(param: torch.Tensor, name: str, lo: int, hi: int, local_offset: int = 0,
                 shape: Optional[Sequence[int]] = None) -> List[MatrixSlot]:
     """Slots for a rank holding ``[lo, hi)`` of the tensor's global flattening at ``local_offset``
     of its flat local data (pieces clipped to each block; None where it holds none of one)."""
+    if getattr(param, BLOCKS, None) is not None:
+        return _strided_slots(param, name, lo, hi, local_offset, shape)
     blocks = logical_blocks(param, name, shape)
     if hi <= lo:
         slots = [MatrixSlot(k, tuple(s), None, 0) for k, s, _ in blocks]

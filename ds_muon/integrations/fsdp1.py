@@ -134,7 +134,7 @@ def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, route
     A tensor shared by several modules (tied weights) takes Muon only if every
     module that uses it would give it Muon (a weight tied to an embedding is AdamW).
     """
-    return original_reason(flat, i, head_names, routers) == HIDDEN_MATRIX
+    return original_reason(flat, i, head_names, routers).startswith(HIDDEN_MATRIX)
 
 
 def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
@@ -144,9 +144,16 @@ def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, router
     shape = tuple(flat._shapes[i])
     reason = param_reason(info.param_name, shape, info.module_name, info.module, head_names, routers)
     for s in flat._shared_param_infos:
-        if reason == HIDDEN_MATRIX and s.prim_module is info.module and s.prim_param_name == info.param_name:
+        if reason.startswith(HIDDEN_MATRIX) and s.prim_module is info.module and s.prim_param_name == info.param_name:
             reason = param_reason(s.param_name, shape, s.module_name, s.module, head_names, routers)
     return reason
+
+
+def fused_plan_of(module_name: str, module, pname: str, shape):
+    """The fused-projection plan the rules give an original tensor (None: not fused)."""
+    from ..models.kinds import rules_of
+
+    return rules_of(module).decide(module_name, module, pname, shape).plan
 
 
 def _shard_piece(flat, i: int, name: str) -> Tuple[Optional[Piece], int]:
@@ -172,6 +179,14 @@ def _tag_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
         raise NotImplementedError(f"{e}. Under FSDP1 the tags must be set before wrapping, with "
                                   "use_orig_params=True (use_orig_params=False hides the parameter)") from None
     if plan is None:
+        fused = fused_plan_of(info.module_name, info.module, info.param_name, shape)
+        if fused is not None:
+            from ..param_groups import apply_fused_plan
+
+            carrier = torch.empty(shape, device="meta")
+            if stores_in_out(info.module, info.param_name):
+                transposed(carrier)
+            return apply_fused_plan(carrier, fused, key)
         check_matrix_dims(key, shape, info.module)
         if stores_in_out(info.module, info.param_name):  # GPT-2's Conv1D: the scale factor reads [out, in]
             return transposed(torch.empty(shape, device="meta"))
@@ -279,13 +294,13 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
         elif id(p) in index.orig:
             flat, i, _, _ = index.orig[id(p)]
             why[id(p)] = original_reason(flat, i, head_names, routers)
-            is_muon = why[id(p)] == HIDDEN_MATRIX
+            is_muon = why[id(p)].startswith(HIDDEN_MATRIX)
             if is_muon and not is_tagged(p):
                 _tag_carrier(flat, i, name)  # raises now for a 3+-D tensor it cannot describe
             (muon if is_muon else adam).append((name, p))
         else:
             why[id(p)] = rule[id(p)]
-            (muon if why[id(p)] == HIDDEN_MATRIX else adam).append((name, p))
+            (muon if why[id(p)].startswith(HIDDEN_MATRIX) else adam).append((name, p))
     groups = []
     if muon:
         g = {"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True, "lr": lr,

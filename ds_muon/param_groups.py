@@ -17,7 +17,7 @@ from .experts import check_matrix_dims, check_routers, is_fused_experts, param_m
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .layout import global_shape
 from .models.fused import FusedPlan
-from .models.kinds import HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
+from .models.kinds import CONV, HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
 from .selection import HEAD_NAMES, split_params, stores_in_out
 from .tags import EXPERTS, SPLIT_ROWS, expert_weight, fused_blocks, is_tagged, shape_tags, split_rows, transposed
 
@@ -86,7 +86,8 @@ def muon_param_groups(
     adam = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
             and not decided[id(p)][1].muon]
     for name, p in muon:
-        check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
+        if decided[id(p)][1].kind != CONV:  # a conv weight is one [out, in·k…] matrix
+            check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
     _warn_raw(decided, model)
     if not muon and not adam:
         raise ValueError("muon_param_groups: the model has no trainable parameters")

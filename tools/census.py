@@ -135,7 +135,7 @@ def classify_family(model_type: str) -> Row:
             row.tensors += 1
             row.muon += bool(g["use_muon"])
             if kind == "fused block" or ", " in reason and "apart" in reason:
-                row.fused.append(f"{name.rsplit('.', 2)[-2]}:{reason.split(', ')[1].replace(' apart', '')}")
+                row.fused.append(f"{name.rsplit('.', 2)[-2]}:{reason.split(', ')[1].replace(' apart', '').replace('|', '/')}")
     row.fused = sorted(set(row.fused))
     return row
 

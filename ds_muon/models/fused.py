@@ -106,6 +106,40 @@ def gpt2_c_attn(module, pname, shape, config, per_head=False) -> FusedPlan:
                      "|".join(labels), transposed=True)
 
 
+def sized_qkv(module, pname, shape, config, per_head=False) -> FusedPlan:
+    """``[q | k | v]`` rows of the sizes the module keeps (``q_dim``/``kv_dim``, or ``embed_dim`` and
+    ``kv_dim`` of GPT-BigCode's multi-query attention)."""
+    q = int(getattr(module, "q_dim", None) or module.embed_dim)
+    kv = int(module.kv_dim)
+    hd = int(getattr(module, "head_dim", 0) or 0)
+    return FusedPlan(_rows([("q", q), ("k", kv), ("v", kv)], _per_head(per_head and hd > 0, hd, 3)), "q|k|v")
+
+
+def gpt_bigcode_c_attn(module, pname, shape, config, per_head=False) -> FusedPlan:
+    """GPT-BigCode: multi-query ``[q | k | v]`` rows, else rows interleaved per head."""
+    if getattr(module, "is_cross_attention", False):
+        raise NotImplementedError("GPT-BigCode cross-attention c_attn")
+    if module.multi_query:
+        return sized_qkv(module, pname, shape, config, per_head)
+    return interleaved_qkv(module, pname, shape, config, per_head)
+
+
+def codegen_qkv(module, pname, shape, config, per_head=False) -> FusedPlan:
+    """CodeGen's ``qkv_proj``: ``mp_num`` groups of rows, each ``[q | v | k]`` of ``embed_dim / mp_num``."""
+    mp, local = int(module.mp_num), int(module.embed_dim) // int(module.mp_num)
+    return FusedPlan({w: ((j * local, local, mp, 3 * local), None) for j, w in enumerate("qvk")},
+                     "q|v|k per mp group")
+
+
+def conv1d_split_size(module, pname, shape, config, per_head=False) -> FusedPlan:
+    """GPT-2-style ``c_attn`` (``Conv1D``, ``[in, out]``) split by the module's ``split_size``: column blocks."""
+    n = int(module.split_size)
+    labels = "qkv" if int(shape[1]) == 3 * n else "kv"
+    heads = int(getattr(module, "num_heads", 0) or getattr(module, "n_head", 0) or 0)
+    return FusedPlan(_cols([(w, n) for w in labels], _per_head(per_head and heads > 0, n // max(heads, 1),
+                                                               len(labels))), "|".join(labels), transposed=True)
+
+
 def contiguous_gate_up(module, pname, shape, config, per_head=False) -> FusedPlan:
     """``[gate | up]`` rows of a fused MLP (Phi-3 ``gate_up_proj``; JetMoE's expert stack ``input_linear``)."""
     experts = len(shape) == 3
@@ -118,6 +152,18 @@ def interleaved_gate_up(module, pname, shape, config, per_head=False) -> FusedPl
     ff = int(shape[-1]) // 2
     return FusedPlan({"gate": (None, (0, 1, ff, 2)), "up": (None, (1, 1, ff, 2))}, "gate|up interleaved",
                      transposed=True, experts=True)
+
+
+def experts_gate_up(module, pname, shape, config, per_head=False) -> FusedPlan:
+    """A transformers experts ``gate_up_proj`` read from the flags ``@use_experts_implementation`` sets:
+    stored ``[E, in, 2·ff]`` (``is_transposed``: gate and up are columns) or ``[E, 2·ff, in]``, the
+    halves concatenated or interleaved (``is_concatenated=False``, gpt-oss: even and odd)."""
+    stored_in_out, concatenated = bool(module.is_transposed), bool(module.is_concatenated)
+    ff = int(shape[2] if stored_in_out else shape[1]) // 2
+    runs = {"gate": (0, ff), "up": (ff, ff)} if concatenated else {"gate": (0, 1, ff, 2), "up": (1, 1, ff, 2)}
+    blocks = {k: ((None, r) if stored_in_out else (r, None)) for k, r in runs.items()}
+    return FusedPlan(blocks, "gate|up" + ("" if concatenated else " interleaved"), transposed=stored_in_out,
+                     experts=True)
 
 
 def dbrx_experts(module, pname, shape, config, per_head=False) -> FusedPlan:
@@ -144,6 +190,15 @@ READERS: Dict[str, Dict[str, Reader]] = {
     "BloomAttention": {"query_key_value.weight": interleaved_qkv},  # view(b, s, heads, 3, head_dim)
     "PersimmonAttention": {"query_key_value.weight": interleaved_qkv},
     "MptAttention": {"Wqkv.weight": contiguous_qkv},  # chunk(3)
+    "Phi4MultimodalAttention": {"qkv_proj.weight": contiguous_qkv},
+    "GPTBigCodeAttention": {"c_attn.weight": gpt_bigcode_c_attn},
+    "CodeGenAttention": {"qkv_proj.weight": codegen_qkv},
+    "BarkSelfAttention": {"att_proj.weight": lambda *a, **k: _qkv_from_shape_contiguous(*a, **k)},
+    "DisentangledSelfAttention": {"in_proj.weight": interleaved_qkv},  # DeBERTa: [head, (q, k, v), head_dim]
+    "Exaone4_5_VisionAttention": {"qkv.weight": sized_qkv},
+    "Attention": {"c_attn.weight": conv1d_split_size},  # OpenAI GPT
+    "ImageGPTAttention": {"c_attn.weight": conv1d_split_size},
+    "DecisionTransformerGPT2Attention": {"c_attn.weight": conv1d_split_size},
     "ModernBertAttention": {"Wqkv.weight": contiguous_qkv},  # view(…, 3, heads, head_dim)
     "GPT2Attention": {"c_attn.weight": gpt2_c_attn},
     "DbrxAttention": {"Wqkv.weight": contiguous_qkv},
@@ -151,7 +206,6 @@ READERS: Dict[str, Dict[str, Reader]] = {
     "JetMoeAttention": {"kv_proj.weight": contiguous_kv},
     "JetMoeMoE": {"input_linear.weight": contiguous_gate_up},
     "JetMoeParallelExperts": {"weight": expert_stack},
-    "GptOssExperts": {"gate_up_proj": interleaved_gate_up},
 }
 
 
@@ -160,7 +214,8 @@ def reader_for(owner: nn.Module, path: str) -> Optional[Reader]:
     return READERS.get(type(owner).__name__, {}).get(path)
 
 
-SEPARATE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "linear")
+SEPARATE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "linear",
+            "sampling_offsets", "attention_weights", "value_proj", "output_proj")  # deformable attention
 _CONTIGUOUS = re.compile(r"\b3\s*,\s*(?:self\.)?num_(?:attention_)?heads|\b3\s*,\s*(?:self\.)?n_heads|"
                          r"\bqkv\b[^\n]*\.chunk\(\s*3|\.unbind\(\s*(?:dim\s*=\s*)?[02]\s*\)")
 _INTERLEAVED = re.compile(r"num_(?:attention_)?heads\s*,\s*3\b|3\s*\*\s*self\.head_dim")

@@ -36,7 +36,7 @@ from ..experts import STACK_NAMES, is_fused_experts, is_router, mark_routers
 from ..layout import global_shape
 from ..tags import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
 from . import config as cfg
-from .fused import FusedPlan, from_forward, looks_fused, reader_for
+from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
 
 # -- the closed list of kinds, and the optimizer each takes ---------------------------------
 HIDDEN_LINEAR = "hidden linear"
@@ -156,6 +156,15 @@ class Rules:
             return Decision(EMBEDDING, False, f"{EMBEDDING}, {OUTPUT_HEAD}")
         if is_fused_experts(module) and pname.endswith("bias"):
             return Decision(VECTOR, False, "expert bias")
+        layer = self._parametrized(module)
+        if layer is not None:  # torch's parametrizations: original0/1 of weight_norm, original of any other
+            if pname == "original0":
+                return Decision(VECTOR, False, "weight-norm gain")
+            return self.decide(self.path.get(id(layer[0]), ""), layer[0], layer[1], shape, param, config)
+        if pname == "weight_g" and hasattr(module, "weight_v"):  # nn.utils.weight_norm (the old one)
+            return Decision(VECTOR, False, "weight-norm gain")
+        if pname == "weight_v" and (is_linear(module) or isinstance(module, _ConvNd)):
+            pname = "weight"  # the direction of a weight-normed layer: its matrix
         if len(shape) < 2:
             return Decision(VECTOR, False, f"{len(shape)}-D")
         mid = id(module)
@@ -174,6 +183,8 @@ class Rules:
             if self.routers == "adamw":
                 return Decision(ROUTER, False, ROUTER)
             return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+        if isinstance(module, nn.RNNBase) and pname.startswith("weight_"):
+            return self._recurrent(module, pname, shape)
         plan = self._fused(module, pname, shape, param)
         if plan is not None:
             kind = EXPERT if plan.experts or plan.what == "experts" else FUSED_BLOCK
@@ -210,6 +221,24 @@ class Rules:
             return Decision(VECTOR, False, "norm")
         return Decision(RAW, False, f"{RAW} of {type(module).__name__} (not a linear map it applies)")
 
+    def _recurrent(self, module, pname, shape) -> Decision:
+        """nn.LSTM / nn.GRU weights ``[gates·hidden, in]``: one matrix per gate (i, f, g, o / r, z, n)."""
+        gates = {"LSTM": "ifgo", "GRU": "rzn"}.get(module.mode, "")
+        if not pname.startswith(("weight_ih", "weight_hh")) or not gates or not self.split_fused:
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+        n = int(shape[0]) // len(gates)
+        plan = FusedPlan({g: ((i * n, n), None) for i, g in enumerate(gates)}, "|".join(gates))
+        return Decision(FUSED_BLOCK, True, f"{HIDDEN_MATRIX}, gates {plan.what} apart", plan)
+
+    def _parametrized(self, module):
+        """``(layer, tensor name)`` when ``module`` is a ``ParametrizationList`` of ``layer``."""
+        if type(module).__name__ != "ParametrizationList" or id(module) not in self.parent:
+            return None
+        holder, name = self.parent[id(module)]
+        if id(holder) not in self.parent:
+            return None
+        return self.parent[id(holder)][0], name
+
     def _fused(self, module, pname, shape, param) -> Optional[FusedPlan]:
         """The fused plan of this tensor (None: not fused, split_fused off, or the user tagged it)."""
         if param is not None and getattr(param, TENSOR_PARALLEL, None) is not None:
@@ -221,6 +250,9 @@ class Rules:
             reader = reader_for(owner, f"{cname}.{pname}")
         if reader is None:
             reader, owner = reader_for(module, pname), module
+        if reader is None and is_fused_experts(module) and pname == "gate_up_proj" and module.has_gate and (
+                module.is_transposed or not module.is_concatenated) and len(shape) == 3:
+            reader = experts_gate_up
         if reader is None and is_linear(module) and pname == "weight" and id(module) in self.parent:
             owner, cname = self.parent[id(module)]
             if _attention(owner) and looks_fused(owner, module, self.config, cname) == "q|k|v" \

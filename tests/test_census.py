@@ -33,5 +33,6 @@ def test_every_family_that_builds_is_classified_into_known_kinds():
     for family in ("phi3", "gpt_neox", "gpt2", "gpt_oss"):  # fused projections split, sizes from the config
         assert by_name[family].fused, family
     stepped = [r for r in rows if r.step]
-    assert len(stepped) == 4 and all(r.step in ("finite", "skipped: too large") for r in stepped), \
+    assert len(stepped) == 4 and all(r.step == "finite" or r.step.startswith("skipped") for r in stepped), \
         [(r.family, r.step) for r in stepped]
+    assert sum(r.step == "finite" for r in stepped) >= 2, [(r.family, r.step) for r in stepped]

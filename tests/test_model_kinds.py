@@ -32,7 +32,8 @@ def _groups(model, **kw):
 
 
 def _kinds(groups) -> dict:
-    return {n: (k, g["use_muon"]) for g in groups for n, k in zip(g["param_names"], g["param_kinds"])}
+    return {n: (k, g["use_muon"]) for g in groups
+            for n, k in zip(g["param_names"], g.get("param_kinds", [None] * len(g["param_names"])))}
 
 
 def _muon(groups) -> set:

@@ -49,7 +49,8 @@ class Row:
     muon: int = 0
     tensors: int = 0
     fused: List[str] = field(default_factory=list)
-    step: str = ""  # "finite", "not finite: …", "" (not stepped)
+    step: str = ""  # "finite", "not finite: …", "skipped: …", "" (not stepped)
+    tiny: bool = False  # built from the small-width config (else from the default one)
 
 
 def families() -> List[str]:
@@ -116,6 +117,7 @@ def classify_family(model_type: str) -> Row:
     for tiny in (True, False):
         try:
             model = build(model_type, tiny)
+            row.tiny = tiny
             break
         except Exception as e:  # noqa: BLE001 - a census reports every failure
             row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -171,6 +173,9 @@ def census(only: Optional[List[str]] = None, step: int = 0, seed: int = 0) -> Li
     if step:
         fine = [r for r in rows if r.built and not r.refused]
         for r in random.Random(seed).sample(fine, min(step, len(fine))):
+            if not r.tiny:
+                r.step = "skipped: builds only at its default (large) widths"
+                continue
             try:
                 r.step = step_family(r.family)
             except Exception as e:  # noqa: BLE001
@@ -186,7 +191,14 @@ def table(rows: List[Row]) -> str:
     kinds = collections.Counter()
     for r in ok:
         kinds.update(r.kinds)
-    lines = [f"transformers model types: {len(rows)}; build from a config in code: {len(built)}; classified "
+    import transformers
+
+    lines = ["# Census: every transformers model type, classified by ds_muon", "",
+             f"`python tools/census.py --step 6 --markdown docs/CENSUS.md` (transformers {transformers.__version__}). "
+             "Each model type is built from its config with 2 layers and small widths; every trainable tensor gets "
+             "a kind from the README's rules table; `fused split` lists what was split apart; `step` is one "
+             "single-process step from random gradients on a seeded sample.", "",
+             f"transformers model types: {len(rows)}; build from a config in code: {len(built)}; classified "
              f"with no unknown kind: {len(ok)}/{len(built)} ({100 * len(ok) / max(1, len(built)):.0f}%), "
              f"{tensors} tensors; with fused projections split: {sum(1 for r in ok if r.fused)}; "
              f"refused by ds_muon: {len(built) - len(ok)}.", "",

@@ -181,9 +181,16 @@ def expert_stack(module, pname, shape, config, per_head=False) -> FusedPlan:
     return FusedPlan({}, "experts", experts=True)
 
 
+def mha_in_proj(module, pname, shape, config, per_head=False) -> FusedPlan:
+    """``nn.MultiheadAttention.in_proj_weight``: ``[q | k | v]`` rows of ``embed_dim`` each."""
+    e, h = int(module.embed_dim), int(module.num_heads)
+    return FusedPlan(_rows([(w, e) for w in "qkv"], _per_head(per_head, e // h, 3)), "q|k|v")
+
+
 Reader = Callable[..., FusedPlan]
 # module class name -> {parameter name: reader}: the families whose fused layout is known
 READERS: Dict[str, Dict[str, Reader]] = {
+    "MultiheadAttention": {"in_proj_weight": mha_in_proj},
     "Phi3Attention": {"qkv_proj.weight": contiguous_qkv},
     "Phi3MLP": {"gate_up_proj.weight": contiguous_gate_up},
     "GPTNeoXAttention": {"query_key_value.weight": interleaved_qkv},

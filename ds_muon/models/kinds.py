@@ -213,6 +213,8 @@ class Rules:
             if is_depthwise(module):
                 return Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)")
             return Decision(CONV, True, f"{HIDDEN_MATRIX}, conv")
+        if isinstance(module, nn.MultiheadAttention) and pname.endswith("proj_weight"):  # q/k/v_proj_weight
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
         if param is not None and getattr(param, EXPERTS, False):  # the user tagged a stack
             return Decision(EXPERT, True, f"{HIDDEN_MATRIX}, tagged expert_weight")
         if tagged:

@@ -67,9 +67,10 @@ class MatrixSlot:
     None when nothing; it sits at ``local_offset`` of the binding's flat data.
     ``transposed``: the tensor is stored ``[in, out]`` (:func:`ds_muon.transposed`), recorded
     here for bindings whose tensor is a flat partition that cannot carry the tag itself.
-    ``local_view``: ``(sizes, strides)`` when the piece is not contiguous in the local data but
-    one strided view of it from ``local_offset`` (a column block or an interleaved block of a
-    fused projection, :func:`ds_muon.fused_blocks`); its row-major order is the piece's.
+    ``local_view``: when the piece is not contiguous in the local data (a column block or an
+    interleaved block of a fused projection, :func:`ds_muon.fused_blocks`), the strided views that
+    hold it, ``((offset from local_offset, sizes, strides), ...)``: their row-major orders, one
+    after the other, are the piece's.
     """
 
     key: str
@@ -77,7 +78,7 @@ class MatrixSlot:
     piece: Optional[Piece]
     local_offset: int = 0
     transposed: bool = False
-    local_view: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
+    local_view: Optional[Tuple[Tuple[int, Tuple[int, ...], Tuple[int, ...]], ...]] = None
 
     @property
     def matrix_shape(self) -> Tuple[int, int]:

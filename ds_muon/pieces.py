@@ -15,6 +15,7 @@ whose flat views the exchange reads, instead of new tensors every step.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -34,14 +35,24 @@ class WavePieces:
             piece = slot.piece
             if piece is None or piece.numel == 0:
                 continue
-            entries.append((group_index[id(b.param)], slot.shape, slot.transposed, i, b, slot.local_offset,
-                            piece.numel, slot.local_view))
+            key = (group_index[id(b.param)], slot.shape, slot.transposed)
+            if slot.local_view is None:
+                entries.append(key + (i, b, slot.local_offset, piece.numel, None, None))
+                continue
+            start = 0  # a strided piece: one entry per strided view of it, in the piece's order
+            for rel, sizes, strides in slot.local_view:
+                n = math.prod(sizes)
+                entries.append(key + (i, b, slot.local_offset + rel, n, (tuple(sizes), tuple(strides)),
+                                      (start, n) if len(slot.local_view) > 1 else None))
+                start += n
         entries.sort(key=lambda e: e[:3])  # stable: layout order within a kind
         self.idx = [e[3] for e in entries]
         self.bindings: List[ParamBinding] = [e[4] for e in entries]
         self.params = [b.param for b in self.bindings]
         self.spans = [(e[5], e[6]) for e in entries]
         self.views = [e[7] for e in entries]  # (sizes, strides) of a strided local piece, else None
+        self.subs = [e[8] for e in entries]  # (start, numel) in its matrix piece of a piece held in several views
+        self._multi = {i for i, sub in zip(self.idx, self.subs) if sub is not None}
         self._strided = any(v is not None for v in self.views)
         # runs of equal param group (the update's inputs) and of equal (group, shape, transposed) (its coefficients)
         self.group_indices = [e[0] for e in entries]
@@ -135,9 +146,18 @@ class WavePieces:
                 flats = self._buf_flats[a:z]
             else:
                 flats = [t.reshape(-1) for t in inputs]
-            pieces.update(zip(self.idx[a:z], flats))
+            if self._multi:
+                for i, f in zip(self.idx[a:z], flats):
+                    if i in self._multi:
+                        pieces.setdefault(i, []).append(f)
+                    else:
+                        pieces[i] = f
+            else:
+                pieces.update(zip(self.idx[a:z], flats))
             if not commit:
                 commits.extend(zip(self._bufs[a:z], new))
+        for i in self._multi:  # the exchange sends a piece held in several views as one
+            pieces[i] = torch.cat([f.reshape(-1) for f in pieces[i]])
         return pieces, commits
 
     def _group_of(self, a: int) -> int:
@@ -159,6 +179,8 @@ class WavePieces:
             self._param_ptrs = [t.data_ptr() for t in lps]
             self._ptrs = None  # the inputs' views are made again at their next use
         ordered = [results[i] for i in self.idx]
+        if self._multi:
+            ordered = [r if sub is None else r.reshape(-1)[sub[0]:sub[0] + sub[1]] for r, sub in zip(ordered, self.subs)]
         if self._flat_results is None:  # the exchange hands out the same kinds of pieces every step
             self._flat_results = all(r.dim() == 1 for r in ordered) and not self._strided
         for (a, z, _, _, _), (decay, alpha) in zip(self.kinds, coefficients):

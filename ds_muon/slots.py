@@ -102,14 +102,23 @@ def _count_before(x: int, offset: int, sizes, strides, numel: int) -> int:
     return lo
 
 
-def _range_view(sizes, strides, a: int, b: int):
-    """Elements ``[a, b)`` of a strided view as one strided view ``(start index, sizes, strides)``, or None."""
-    for k in range(len(sizes)):
-        inner = math.prod(sizes[k + 1:])
-        outer = inner * sizes[k]
-        if a % inner == 0 and b % inner == 0 and a // outer == (b - 1) // outer:
-            return a, ((b - a) // inner,) + tuple(sizes[k + 1:]), tuple(strides[k:])
-    return None
+def _range_views(sizes, strides, a: int, b: int) -> list:
+    """Elements ``[a, b)`` (row-major) of a strided view as few strided views, in order:
+    ``[(start index, sizes, strides), ...]`` (one where a rank holds whole runs, more where a flat
+    shard cuts a run)."""
+    views, pos = [], a
+    while pos < b:
+        for k in range(len(sizes)):  # the coarsest dim whose whole sub-blocks start here
+            inner = math.prod(sizes[k + 1:])
+            if pos % inner:
+                continue
+            end = min(b, (pos // (inner * sizes[k]) + 1) * inner * sizes[k])
+            count = (end - pos) // inner
+            if count >= 1:
+                views.append((pos, (count,) + tuple(sizes[k + 1:]), tuple(strides[k:])))
+                pos += count * inner
+                break
+    return views
 
 
 def _strided_slots(param, name, lo, hi, local_offset, shape) -> List[MatrixSlot]:
@@ -123,17 +132,12 @@ def _strided_slots(param, name, lo, hi, local_offset, shape) -> List[MatrixSlot]
         if b <= a:
             slots.append(MatrixSlot(key, tuple(bshape), None, 0, transposed=is_transposed(param)))
             continue
-        view = _range_view(sizes, strides, a, b)
-        if view is None:
-            raise NotImplementedError(
-                f"ds_muon: {key} is a block of a fused projection of which this rank holds elements [{a}, {b}) "
-                f"of {numel}, cut across its runs where the stack split the tensor, so they are not one strided "
-                "view. Shard it along whole rows of the fused weight (FSDP2 fully_shard, a world size dividing "
-                "its heads), or build the groups with muon_param_groups(..., split_fused=False)")
-        start, vsizes, vstrides = view
-        first = off + _position(start, sizes, strides)
+        views = _range_views(sizes, strides, a, b)
+        first = off + _position(a, sizes, strides)
+        local = tuple((off + _position(start, sizes, strides) - first, vsizes, vstrides)
+                      for start, vsizes, vstrides in views)
         slots.append(MatrixSlot(key, tuple(bshape), Piece(a, b - a), first - lo + local_offset,
-                                transposed=is_transposed(param), local_view=(vsizes, vstrides)))
+                                transposed=is_transposed(param), local_view=local))
     return slots
 
 

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("transformers")
 
@@ -276,11 +277,51 @@ def _train(model, opt):
         opt.zero_grad(set_to_none=True)
 
 
+# fused blocks a flat shard (FSDP1, ZeRO) cuts inside their runs: the rank holds each block's part in
+# several strided views; W=2 against the replicated tensor
+FLAT_CASES = {  # name: (shape, tag)
+    "c_attn": ((8, 24), lambda p: ds_muon.fused_blocks(ds_muon.transposed(p), {w: (None, (8 * j, 8))
+                                                                               for j, w in enumerate("qkv")})),
+    "query_key_value": ((24, 8), lambda p: ds_muon.fused_blocks(p, {w: ((4 * j, 4, 2, 12), None)
+                                                                    for j, w in enumerate("qkv")})),
+}
+
+
+def _flat_cut(rank, world):
+    from ds_muon.layout import ParamBinding
+    from ds_muon.slots import block_slots
+    from models import HandAdapter
+
+    out = {}
+    g = torch.Generator().manual_seed(3)
+    for name, (shape, tag) in FLAT_CASES.items():
+        w0 = torch.randn(shape, generator=g)
+        grads = [torch.randn(shape, generator=g) for _ in range(2)]
+        numel = w0.numel()
+        lo, hi = [(0, 77), (77, numel)][rank]  # 77: inside a run of every block
+        rep = tag(nn.Parameter(w0.clone()))
+        flat = nn.Parameter(w0.reshape(-1)[lo:hi].clone())
+        flat._ds_muon_flat = True
+        shaped = tag(torch.empty(shape, device="meta"))
+        kw = dict(lr=LR, momentum=0.9, ns_dtype=torch.float32)
+        o_rep = ds_muon.Muon([{"params": [rep], "param_names": [name]}], planner="locality", **kw)
+        o_flat = ds_muon.Muon([{"params": [flat], "param_names": [name]}], adapter=HandAdapter(
+            lambda p, n, context, shaped=shaped, lo=lo, hi=hi: ParamBinding(
+                p, lambda t: t.reshape(-1), block_slots(shaped, n, lo, hi))), **kw)
+        for grad in grads:
+            rep.grad, flat.grad = grad.clone(), grad.reshape(-1)[lo:hi].clone()
+            o_rep.step()
+            o_flat.step()
+        views = max(len(s.local_view or ()) for s in o_flat._bindings[id(flat)].matrices)
+        out[name] = (rep.detach().clone(), (lo, hi), flat.detach().clone(), views)
+    return out
+
+
 def _fsdp2_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    out = {}
+    out = {"flat": _flat_cut(rank, world)}
     with dist_harness.one_thread():
         for family in FSDP_FAMILIES:
             model = _build(family)
@@ -296,7 +337,17 @@ def _fsdp2_worker(rank, world):
 
 
 def test_fsdp2_w2_equals_one_process_on_fused_blocks():
+    """FSDP2 (Shard(0), whole head groups per rank) on GPT-2, GPT-NeoX, gpt-oss, Phi-3, and flat shards
+    cutting fused blocks inside their runs, W=2, equal to one process bitwise."""
     results = dist_harness.run(_fsdp2_worker, 2, timeout=300)
+    for name, (shape, _) in FLAT_CASES.items():
+        full = torch.empty(shape).reshape(-1)
+        for out in results:
+            rep, (lo, hi), flat, views = out["flat"][name]
+            full[lo:hi] = flat
+            assert views > 1, (name, views)  # the cut block is held in several strided views
+            assert torch.equal(rep, results[0]["flat"][name][0]), name
+        assert torch.equal(full.view(shape), results[0]["flat"][name][0]), name
     for family in FSDP_FAMILIES:
         with dist_harness.one_thread():
             model = _build(family)

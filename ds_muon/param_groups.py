@@ -10,16 +10,15 @@ from __future__ import annotations
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
 
 from .experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .layout import global_shape
-from .models.fused import FusedPlan
+from .models.fused import apply_fused_plan
 from .models.kinds import CONV, HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
 from .selection import HEAD_NAMES, split_params, stores_in_out
-from .tags import EXPERTS, SPLIT_ROWS, expert_weight, fused_blocks, is_tagged, shape_tags, split_rows, transposed
+from .tags import EXPERTS, expert_weight, is_tagged, shape_tags, split_rows, transposed
 
 
 def muon_param_groups(
@@ -172,27 +171,6 @@ def _tag_fused(model: nn.Module, decided, split_fused: bool) -> None:
                     if bool(mod.is_transposed):
                         transposed(p)
     tag_fused_experts(model)
-
-
-def apply_fused_plan(p: torch.Tensor, plan: FusedPlan, name: str = "") -> torch.Tensor:
-    """Tag ``p`` as ``plan`` says: contiguous row blocks as :func:`ds_muon.split_rows`, any other
-    blocks (columns, interleaved) as :func:`ds_muon.fused_blocks`."""
-    try:
-        if plan.experts:
-            expert_weight(p)
-        if plan.transposed:
-            transposed(p)
-        rows_only = all(c is None and r is not None and len(r) == 2 for r, c in plan.blocks.values())
-        if not plan.blocks:
-            pass  # one matrix per expert
-        elif rows_only and not plan.transposed:
-            split_rows(p, {k: r[1] for k, (r, _) in plan.blocks.items()})
-        else:
-            fused_blocks(p, plan.blocks)
-    except ValueError as e:
-        raise ValueError(f"muon_param_groups: {name} {tuple(global_shape(p))}: the config's sizes do not fit "
-                         f"its {plan.what} blocks ({e}); pass split_fused=False, or tag it yourself") from None
-    return p
 
 
 def _warn_raw(decided, model: nn.Module) -> None:

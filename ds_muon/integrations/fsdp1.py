@@ -181,7 +181,7 @@ def _tag_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
     if plan is None:
         fused = fused_plan_of(info.module_name, info.module, info.param_name, shape)
         if fused is not None:
-            from ..param_groups import apply_fused_plan
+            from ..models.fused import apply_fused_plan
 
             carrier = torch.empty(shape, device="meta")
             if stores_in_out(info.module, info.param_name):

@@ -79,10 +79,12 @@ def vocab_sizes(configs) -> Set[int]:
 
 def input_widths(configs) -> Set[int]:
     """Widths of the raw input a first layer reads: pixel channels (and pixel patches), mel bins,
-    audio or time-series features.  A conv or linear reading one of these is an input layer."""
+    audio or time-series features.  A conv or linear reading one of these is an input layer.
+    Empty for a model without a config (nothing says what its input is)."""
+    if not configs:
+        return set()
     chans = _ints(configs, lambda k: k in ("num_channels", "in_channels", "input_channels", "num_mel_bins",
                                             "image_channels", "num_input_channels", "input_dim"))
-    chans.add(3)
     patches = _ints(configs, lambda k: k in ("patch_size", "spatial_patch_size"))
     temporal = _ints(configs, lambda k: k in ("temporal_patch_size", "tubelet_size")) | {1}
     out = set(chans) | {1}

@@ -18,7 +18,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
+
+from ..layout import global_shape
+from ..tags import expert_weight, fused_blocks, split_rows, transposed
 
 
 @dataclass(frozen=True)
@@ -272,3 +276,24 @@ def looks_fused(module: nn.Module, child: nn.Module, config, child_name: str = "
     if out == 2 * nkv * hd and not hasattr(module, "kv_proj"):
         return None
     return None
+
+
+def apply_fused_plan(p: torch.Tensor, plan: FusedPlan, name: str = "") -> torch.Tensor:
+    """Tag ``p`` as ``plan`` says: contiguous row blocks as :func:`ds_muon.split_rows`, any other
+    blocks (columns, interleaved) as :func:`ds_muon.fused_blocks`."""
+    try:
+        if plan.experts:
+            expert_weight(p)
+        if plan.transposed:
+            transposed(p)
+        rows_only = all(c is None and r is not None and len(r) == 2 for r, c in plan.blocks.values())
+        if not plan.blocks:
+            pass  # one matrix per expert
+        elif rows_only and not plan.transposed:
+            split_rows(p, {k: r[1] for k, (r, _) in plan.blocks.items()})
+        else:
+            fused_blocks(p, plan.blocks)
+    except ValueError as e:
+        raise ValueError(f"muon_param_groups: {name} {tuple(global_shape(p))}: the config's sizes do not fit "
+                         f"its {plan.what} blocks ({e}); pass split_fused=False, or tag it yourself") from None
+    return p

@@ -193,7 +193,7 @@ class Rules:
             return Decision(EXPERT, True, HIDDEN_MATRIX)
         if linear:
             ins = int(shape[0] if is_conv1d_transformers(module) else shape[1])
-            if ins == 1 or (ins in self.widths and ins <= 4):
+            if ins in self.widths and ins <= 4:
                 return Decision(INPUT_LAYER, False, f"input layer (reads {ins} input channels)")
             if self.split_fused and not tagged and self.config is not None:
                 owner, cname = self.parent.get(mid, (None, ""))
@@ -208,7 +208,7 @@ class Rules:
                         "(p, ...) for interleaved ones; or pass split_fused=False to orthogonalize it whole")
             return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
         if isinstance(module, _ConvNd) and pname == "weight":
-            if module.in_channels in self.widths and module.in_channels <= 4 or module.in_channels == 1:
+            if module.in_channels in self.widths and module.in_channels <= 4:
                 return Decision(INPUT_LAYER, False, f"input layer (reads {module.in_channels} input channels)")
             if is_depthwise(module):
                 return Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)")

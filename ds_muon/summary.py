@@ -166,13 +166,19 @@ class Summary:
 
     @classmethod
     def load(cls, path: str) -> "Summary":
+        """The summary :meth:`save` wrote; a file that is not one (edited, crafted, truncated) raises
+        ValueError naming the field (:mod:`ds_muon.summary_file`)."""
+        from .summary_file import summary_from_dict
+
         with open(path) as f:
-            d = json.load(f)
-        tensors = [TensorRow(**{**t, "shape": tuple(t["shape"]), "matrices": tuple(
-            MatrixRow(**{**m, "shape": tuple(m["shape"]), "homes": tuple(m["homes"]), "held": tuple(m["held"]),
-                         "groups": tuple(tuple(g) for g in m.get("groups", ()))})
-            for m in t["matrices"])}) for t in d.pop("tensors")]
-        return cls(tensors, [RankRow(**r) for r in d.pop("ranks")], **d)
+            try:
+                d = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"Summary file {path!r} is not JSON: {e}") from None
+        try:
+            return summary_from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path!r}: {e}") from None
 
     # -- the table -------------------------------------------------------------------
     def __str__(self) -> str:

@@ -226,7 +226,7 @@ def _fsdp2_worker(rank, world):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=torch.float32)
-    before = opt.summary()  # collective: binds on every rank
+    before = opt.summary(all_ranks=True)  # collective: binds on every rank
     _train(model, opt)
     after = opt.summary()
     homes, sent, received = {}, 0, 0
@@ -289,7 +289,7 @@ def _fsdp1(rank, world):
         fsdp = FSDP(tiny_llama(), device_id=torch.device("cpu"), use_orig_params=orig,
                     auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
         opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp)
-        s = opt.summary()
+        s = opt.summary(all_ranks=True)
         _train(fsdp, opt, steps=1)
         assert opt.summary().tensors == s.tensors
         out[orig] = ([(t.name, t.algorithm, t.reason) for t in s.tensors], sorted((m.key, m.shape) for m in s.matrices))
@@ -346,7 +346,7 @@ def _deepspeed_worker(rank, world):
         seen = _keep_log()
         engine, _, _, _ = T.ds_muon_deepspeed.initialize(model=T.make_model(), config=T.ds_config(stage))
         muon = engine.basic_optimizer
-        before = muon.summary()
+        before = muon.summary(all_ranks=True)
         T.train(engine, 1)
         logged_after_one = list(seen)
         T.train(engine, 2, start=1)

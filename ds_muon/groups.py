@@ -134,7 +134,7 @@ def _check_lr(group: dict, key: str, gi: int) -> None:
     lr = group[key]
     if torch.is_tensor(lr):
         if lr.numel() != 1 or lr.is_complex():
-            raise ValueError(f"param_groups[{gi}]: a tensor {key} must hold 1 real element, got shape {tuple(lr.shape)}")
+            raise ValueError(f"param_groups[{gi}]: Tensor {key} must be 1-element (and real), got shape {tuple(lr.shape)}")
         if not group["use_muon"] and group.get("foreach"):
             raise ValueError(f"param_groups[{gi}]: a tensor {key} needs foreach=False (torch's AdamW refuses it with foreach=True)")
         if lr.device.type != "cpu":

@@ -85,7 +85,8 @@ def _tensor(d, where: str):
     from .summary import TensorRow
 
     d = _fields(d, TensorRow, where)
-    matrices = tuple(_matrix(m, f"{where}.matrices[{k}]") for k, m in enumerate(_list(d["matrices"], f"{where}.matrices")))
+    matrices = tuple(_matrix(m, f"{where}.matrices[{k}]")
+                     for k, m in enumerate(_list(d.get("matrices", []), f"{where}.matrices")))
     return TensorRow(_str(d["name"], f"{where}.name"), _int(d["group"], f"{where}.group"),
                      _str(d["algorithm"], f"{where}.algorithm"), _str(d["reason"], f"{where}.reason"),
                      _ints(d["shape"], f"{where}.shape"), matrices)
@@ -106,6 +107,20 @@ def _cost_model(d, where: str):
     if d is None:
         return None
     d = _fields(d, CostModel, where)
+    for f in dataclasses.fields(CostModel):
+        if f.name not in d:
+            continue
+        v, at = d[f.name], f"{where}.{f.name}"
+        if isinstance(f.default, bool):
+            if not isinstance(v, bool):
+                _fail(at, f"must be true or false, got {v!r}")
+        elif isinstance(f.default, str):
+            _str(v, at)
+        elif f.default is None:  # ranks_per_node: none (one flat link) or a count
+            if v is not None:
+                _int(v, at, 1)
+        elif _num(v, at) <= 0 and f.default > 0:
+            _fail(at, f"must be > 0, got {v!r}")
     try:
         CostModel(**d)
     except (TypeError, ValueError) as e:
@@ -140,10 +155,14 @@ def _check_consistent(s) -> None:
             if len(m.held) != n or not 1 <= n <= s.world_size:
                 _fail(f"{where}.held", f"holds {len(m.held)} counts; every matrix of domain {m.domain} must hold "
                       f"one per rank of its domain ({n}, at most world_size={s.world_size})")
-            for h in m.homes:
-                if h >= s.world_size:
-                    _fail(f"{where}.homes", f"rank {h} is outside world_size={s.world_size}")
-            for k, g in enumerate(m.groups):
-                if any(r >= n for r in g):
-                    _fail(f"{where}.groups[{k}]", f"names a rank outside its domain of {n}")
+            numel = m.shape[0] * m.shape[1]
+            if any(h > numel for h in m.held) or sum(m.held) < numel:
+                _fail(f"{where}.held", f"each rank holds at most the matrix's {numel} elements and together at "
+                      f"least all of them, got {list(m.held)}")
+            if not m.homes or any(h >= s.world_size for h in m.homes):
+                _fail(f"{where}.homes", f"must name one or more ranks below world_size={s.world_size}, "
+                      f"got {list(m.homes)}")
+            if m.groups and sorted(r for g in m.groups for r in g) != list(range(n)):
+                _fail(f"{where}.groups", f"replica groups must split the domain's ranks 0..{n - 1}, got "
+                      f"{[list(g) for g in m.groups]}")
 

@@ -39,7 +39,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from .agreement import Agreement, settings_of
 from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
-from .groups import (as_dtype, check_boolean, check_keyword_booleans, check_loaded_groups, check_settings, dtype_name,
+from .groups import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_keyword_booleans, check_loaded_groups, check_settings, dtype_name,
                      fill_group_defaults, validate_group)
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
@@ -263,8 +263,12 @@ class Muon(Optimizer):
         if not param_group.get("use_muon", True):
             param_group.setdefault("betas", self.adam_betas)
             param_group.setdefault("eps", self.adam_eps)
+        given = set(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        for k in TORCH_ADDED_DEFAULTS:  # in defaults after a load (torch's __setstate__), no setting of ours
+            if k not in given:
+                group.pop(k, None)
         validate_group(group, len(self.param_groups) - 1)
         if hasattr(self, "_resolved"):
             self.invalidate_layouts()

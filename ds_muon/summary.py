@@ -47,6 +47,7 @@ from .exchange import Exchange
 from .layout import Layout, global_shape
 from .newton_schulz import ns_flops
 from .scaling import get_muon_scale_factor
+from .summary_file import summary_from_dict
 
 logger = logging.getLogger("ds_muon")
 USER_GROUP = "user group"  # the reason of tensors in groups that recorded none (built by hand)
@@ -168,15 +169,13 @@ class Summary:
     def load(cls, path: str) -> "Summary":
         """The summary :meth:`save` wrote; a file that is not one (edited, crafted, truncated) raises
         ValueError naming the field (:mod:`ds_muon.summary_file`)."""
-        from .summary_file import summary_from_dict
-
         with open(path) as f:
             try:
                 d = json.load(f)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"Summary file {path!r} is not JSON: {e}") from None
         try:
-            return summary_from_dict(d)
+            return summary_from_dict(d, cls, TensorRow, MatrixRow, RankRow)
         except ValueError as e:
             raise ValueError(f"{path!r}: {e}") from None
 

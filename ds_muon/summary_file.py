@@ -14,6 +14,7 @@ import math
 from typing import Any, Dict
 
 from .newton_schulz import NS_METHODS
+from .planner import CostModel
 
 
 def _fail(where: str, what: str):
@@ -63,9 +64,7 @@ def _fields(d, cls, where: str) -> Dict[str, Any]:
     return d
 
 
-def _matrix(d, where: str):
-    from .summary import MatrixRow
-
+def _matrix(d, where: str, MatrixRow):
     d = _fields(d, MatrixRow, where)
     shape = _ints(d["shape"], f"{where}.shape", 1)
     if len(shape) != 2:
@@ -81,20 +80,16 @@ def _matrix(d, where: str):
                      _int(d["wire_bytes"], f"{where}.wire_bytes", 1), groups)
 
 
-def _tensor(d, where: str):
-    from .summary import TensorRow
-
+def _tensor(d, where: str, TensorRow, MatrixRow):
     d = _fields(d, TensorRow, where)
-    matrices = tuple(_matrix(m, f"{where}.matrices[{k}]")
+    matrices = tuple(_matrix(m, f"{where}.matrices[{k}]", MatrixRow)
                      for k, m in enumerate(_list(d.get("matrices", []), f"{where}.matrices")))
     return TensorRow(_str(d["name"], f"{where}.name"), _int(d["group"], f"{where}.group"),
                      _str(d["algorithm"], f"{where}.algorithm"), _str(d["reason"], f"{where}.reason"),
                      _ints(d["shape"], f"{where}.shape"), matrices)
 
 
-def _rank(d, where: str):
-    from .summary import RankRow
-
+def _rank(d, where: str, RankRow):
     d = _fields(d, RankRow, where)
     return RankRow(_int(d["rank"], f"{where}.rank"), _int(d["matrices"], f"{where}.matrices"),
                    _num(d["ns_flops"], f"{where}.ns_flops"), _int(d["bytes_sent"], f"{where}.bytes_sent"),
@@ -102,8 +97,6 @@ def _rank(d, where: str):
 
 
 def _cost_model(d, where: str):
-    from .planner import CostModel
-
     if d is None:
         return None
     d = _fields(d, CostModel, where)
@@ -128,14 +121,13 @@ def _cost_model(d, where: str):
     return d
 
 
-def summary_from_dict(d) -> "Summary":
-    """The :class:`~ds_muon.summary.Summary` a saved file holds, every field checked (see the module)."""
-    from .summary import Summary
-
+def summary_from_dict(d, Summary, TensorRow, MatrixRow, RankRow):
+    """The :class:`~ds_muon.summary.Summary` a saved file holds, every field checked (see the module).
+    (The classes are passed in: :mod:`ds_muon.summary` imports this module.)"""
     d = _fields(d, Summary, "the file")
     world = _int(d["world_size"], "world_size", 1)
-    tensors = [_tensor(t, f"tensors[{k}]") for k, t in enumerate(_list(d["tensors"], "tensors"))]
-    ranks = [_rank(r, f"ranks[{k}]") for k, r in enumerate(_list(d["ranks"], "ranks"))]
+    tensors = [_tensor(t, f"tensors[{k}]", TensorRow, MatrixRow) for k, t in enumerate(_list(d["tensors"], "tensors"))]
+    ranks = [_rank(r, f"ranks[{k}]", RankRow) for k, r in enumerate(_list(d["ranks"], "ranks"))]
     out = Summary(tensors, ranks, world, _int(d["rank"], "rank"), _str(d["mode"], "mode"),
                   _str(d["planner"], "planner"), _int(d["waves"], "waves", 1), _int(d.get("domains", 1), "domains", 1),
                   [_str(n, f"notes[{k}]") for k, n in enumerate(_list(d.get("notes", []), "notes"))],

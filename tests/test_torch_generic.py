@@ -353,6 +353,8 @@ def test_loaded_param_groups_are_the_saved_ones():
     restored.load_state_dict(deepcopy(saved))
     _assert_same_state_dict(restored.state_dict(), saved)
     assert "differentiable" not in restored.param_groups[0]
+    restored.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, 2))], "param_names": ["extra"]})
+    assert "differentiable" not in restored.param_groups[-1]
 
 
 def _conv_bn():

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .copies import copy_key, describe, holders
 from .extremes import Extremes
+from .identity import identity_of
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
@@ -80,7 +81,7 @@ def _plain(v: Any) -> Any:
 
 def settings_of(optimizer) -> Dict[str, Any]:
     """Everything that must be equal on every rank, as plain values (names for the error)."""
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {STEPPED: identity_of(optimizer)}  # which optimizer this is (several in one job)
     for k in ("mode", "planner", "waves", "comm_dtype", "nonfinite", "adam_betas", "adam_eps"):
         out[k] = _plain(getattr(optimizer, k, None))
     # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
@@ -93,6 +94,9 @@ def settings_of(optimizer) -> Dict[str, Any]:
             if k not in ("params", "param_names", "param_tags"):
                 out[f"param_groups[{gi}][{k!r}]"] = _plain(v)
     return out
+
+
+STEPPED = "optimizer"
 
 
 def settings_hash(settings: Dict[str, Any]) -> int:
@@ -213,6 +217,8 @@ class Agreement:
         if codes[nrows + 1] & DRIFT:
             everyone = [None] * world
             dist.all_gather_object(everyone, settings, group=group)
+            if len({s.get(STEPPED) for s in everyone}) > 1:
+                raise ValueError(_several_optimizers(everyone, group))
             raise ValueError(
                 f"ds_muon: optimizer settings differ between ranks: {first_difference(everyone)}; "
                 "every rank must build Muon with the same arguments and param groups, and change them alike")
@@ -326,6 +332,15 @@ def _copy_columns(everyone, n: int):
     for j, column in enumerate(zip(*lists)):
         if any(c is not None for c in column):
             yield j, column
+
+
+def _several_optimizers(everyone: List[Dict[str, Any]], group) -> str:
+    """The error for ranks stepping different optimizers at once (same text on every rank)."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    which = "; ".join(f"rank {r} steps {s.get(STEPPED)}" for r, s in zip(ranks, everyone))
+    return (f"ds_muon: the ranks are stepping different optimizers at once ({which}). With several Muon "
+            "optimizers in one job, every rank must build them in the same order and step them in the same "
+            "order (their collectives pair up by order). Nothing was changed")
 
 
 def _copies_differ(where: Rows, drift: List[int], items, name) -> str:

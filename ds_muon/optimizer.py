@@ -37,6 +37,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from .agreement import Agreement, settings_of
 from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
+from .identity import next_ordinal
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
@@ -147,6 +148,7 @@ class Muon(Optimizer):
             extra_scale_factor=extra_scale_factor, use_muon=True,
         )
         super().__init__(params, defaults)
+        self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.identity)
 
     def _reset_runtime(self) -> None:
         """Caches and hooks, all rebuilt lazily: bindings, layouts, compiled exchanges, and
@@ -226,6 +228,7 @@ class Muon(Optimizer):
             self.model = self.process_group = None
             self.adapter, self._adapter_chosen = default_adapter(), False
             self._not_carried = tuple(sorted(set(lost) - {"model"}))
+            self._ordinal = next_ordinal(self.param_groups)  # a copy is one more optimizer of this process
             self._reset_runtime()
         self._upgrade_groups()
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from .copies import copy_key, describe, holders
 from .extremes import Extremes
 from .identity import identity_of
+from .timeouts import flattened_group
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
@@ -392,7 +393,7 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh.mesh_dim_names:  # the group the layouts plan in (integrations/fsdp2.py); DeviceMesh caches it
-        return mesh._flatten().get_group()
+        return flattened_group(mesh)  # with its mesh's timeout (ds_muon.timeouts)
     raise ValueError(
         f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)} without "
         "mesh_dim_names, not the whole world; build the mesh with mesh_dim_names, or pass Muon(..., process_group=) "

@@ -88,7 +88,8 @@ def settings_of(optimizer) -> Dict[str, Any]:
     # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
     # type differs would plan other homes, so it must fail here, not in the exchange
     out["cost_model"] = repr(optimizer.planning_cost_model())
-    out["overlap"] = getattr(optimizer, "_deferred", None) is not None
+    out["overlap"] = bool(getattr(optimizer, "overlap", False))
+    out["apply_in_forward"] = getattr(optimizer, "_deferred", None) is not None
     out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
     for gi, g in enumerate(optimizer.param_groups):
         for k, v in g.items():

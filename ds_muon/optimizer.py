@@ -16,7 +16,8 @@ The step's stages, in :meth:`Muon.step`'s order (every stack goes through the sa
 
 With ``overlap=True`` (:mod:`~ds_muon.overlap`) the exchange runs in waves; under
 FSDP2 a wave's momentum and gather may already have left during backward (its
-momentum committed after stage 1), and results may be applied by the next forward.
+momentum committed after stage 1).  Every update has landed when ``step()`` returns,
+unless ``apply_in_forward=True`` opts into applying them by the next forward.
 
 How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
 as :class:`~ds_muon.layout.ParamBinding` objects; nothing here depends on the stack.
@@ -114,6 +115,7 @@ class Muon(Optimizer):
         overlap: bool = False,
         waves: int = 4,
         dispatch_in_backward: bool = True,
+        apply_in_forward: bool = False,
         adapter: Optional[StackAdapter] = None,
         log_summary: bool = True,
         compile: bool = False,
@@ -124,7 +126,9 @@ class Muon(Optimizer):
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of {list(NONFINITE)}")
         if planner not in STRATEGIES:
             raise ValueError(f"planner={planner!r} is unknown; use one of {list(STRATEGIES)}")
-        self.overlap_settings = OverlapSettings(bool(overlap), waves, bool(dispatch_in_backward))
+        self.overlap_settings = OverlapSettings(bool(overlap), waves, bool(dispatch_in_backward), apply_in_forward)
+        if apply_in_forward and model is None:
+            raise ValueError("apply_in_forward=True lands updates in the model's forward pre-hooks: pass model= too")
         self.mode = mode
         self.nonfinite = nonfinite
         self.adapter: StackAdapter = adapter if adapter is not None else default_adapter()
@@ -183,6 +187,11 @@ class Muon(Optimizer):
     @property
     def dispatch_in_backward(self) -> bool:
         return self.overlap_settings.dispatch_in_backward
+
+    @property
+    def apply_in_forward(self) -> bool:
+        """Updates may wait for the next forward (opt-in; see :mod:`ds_muon.overlap.forward`)."""
+        return self.overlap_settings.apply_in_forward
 
     # -- copies, pickling and loading --------------------------------------------
     _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",

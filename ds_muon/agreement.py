@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from . import ns_kernels
 from .copies import copy_key, describe, holders
 from .extremes import Extremes
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
@@ -86,6 +87,9 @@ def settings_of(optimizer) -> Dict[str, Any]:
     # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
     # type differs would plan other homes, so it must fail here, not in the exchange
     out["cost_model"] = repr(optimizer.planning_cost_model())
+    # the NS kernel forms this process runs (ns_kernels: pinned, calibrated or the device family's
+    # table): duplicated homes must compute the same bits everywhere
+    out["ns_kernels"] = ns_kernels.fingerprint()
     out["overlap"] = getattr(optimizer, "_deferred", None) is not None
     out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
     for gi, g in enumerate(optimizer.param_groups):

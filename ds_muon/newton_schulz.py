@@ -16,6 +16,8 @@ from typing import Sequence, Tuple, Union
 
 import torch
 
+from . import ns_kernels
+
 Triple = Tuple[float, float, float]
 Coefficients = Union[str, Triple, Sequence[Triple]]
 
@@ -217,11 +219,20 @@ def _standard_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
     A = X.new_empty((b_, m, m))
     B = X.new_empty((b_, m, m))
     bufs = [X.new_empty((b_, m, n)), X.new_empty((b_, m, n))]  # contiguous, whatever X's strides
+    compiling = _compiling()
     for k, (a, b, c) in enumerate(per_step):
-        torch.bmm(X, X.mT, out=A)
-        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
-        X = torch.baddbmm(X, B, X, beta=a, out=bufs[k % 2])
+        # the forms this machine runs fastest (ns_kernels: all give the same bits); step 1 of a tall
+        # stack reads a transposed view, the later ones the contiguous workspace
+        f_gram, f_poly, f_apply = ns_kernels.forms_for(X, compiling)
+        ns_kernels.gram(X, A, f_gram)
+        ns_kernels.poly(A, b, c, B, f_poly)
+        X = ns_kernels.apply(X, B, a, bufs[k % 2], f_apply)
     return X
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def _restart_interval(dtype: torch.dtype, steps: int) -> int:
@@ -252,7 +263,11 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
             torch.bmm(X, X.mT, out=R)
             Q = None
         # Z = aI + bR + cR²; the sum aI + B cancels heavily, so it is formed in one rounding
-        torch.baddbmm(torch.add(R, eye, alpha=a / b).mul_(b) if b else eye * a, R, R, alpha=c, out=Z)
+        base = torch.add(R, eye, alpha=a / b).mul_(b) if b else eye * a
+        if c:
+            torch.baddbmm(base, R, R, alpha=c, out=Z)
+        else:  # torch 2.13's CPU baddbmm(alpha=0) is wrong in bf16/fp16 (ns_kernels.poly)
+            Z.copy_(base)
         Q = Z.clone() if Q is None else torch.bmm(Z, Q)
         if k + 1 < len(per_step):
             torch.bmm(Z, R, out=T)

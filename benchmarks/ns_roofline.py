@@ -2,8 +2,8 @@
 
 One thread (as one rank runs its home stacks).  Each round times, back to back: one
 2048² GEMM (the reference rate), then per stack of the bank ds_muon's NS (the kernel
-forms :mod:`ds_muon.ns_kernels` chooses on this machine), ds_muon's NS with every product
-pinned batched (the old code: ``bmm``/``baddbmm``), and torch.optim.Muon's own NS
+forms and chunking :mod:`ds_muon.ns_kernels` chooses on this machine), ds_muon's NS with every
+product pinned batched on whole stacks (the old code: ``bmm``/``baddbmm``), and torch.optim.Muon's own NS
 matrix by matrix (``torch.optim._muon._zeropower_via_newtonschulz``; it computes in bf16
 only, so its fp32 column runs the same loop in fp32).  The machine's matmul rate swings
 2-3× from minute to minute, so every figure is the median over rounds of *that round's*
@@ -32,6 +32,7 @@ from ds_muon.newton_schulz import KELLER, newton_schulz, ns_flops
 BANK = [(8, 512, 512), (4, 1536, 512), (4, 512, 1536), (4, 384, 1024)]
 STEPS = 5
 DEVICE = "cpu"
+COMPILED = None  # --compile: ds_muon's NS under torch.compile (compiled_newton_schulz)
 
 
 def _sync():
@@ -87,13 +88,15 @@ def bare_products(G, dtype):
 
 def ours(G, dtype, method="standard", pinned=None):
     def run():
-        if pinned is not None:
+        if pinned is not None:  # the old code: every product batched, whole stacks
             ns_kernels.pin(form=pinned)
+            ns_kernels.pin_chunk_bytes(0)
         try:
             newton_schulz(G, STEPS, "keller", dtype, method=method).contiguous()
         finally:
             if pinned is not None:
                 ns_kernels.pin()
+                ns_kernels.pin_chunk_bytes(None)
     return run
 
 
@@ -109,6 +112,8 @@ def roofline(dtype, rounds, with_gram):
             "torch": lambda G: (lambda: torch_muon_ns(G, dtype)), "bare": lambda G: bare_products(G, dtype)}
     if with_gram:
         cols["gram"] = lambda G: ours(G, dtype, method="gram")
+    if COMPILED is not None:
+        cols["compiled"] = lambda G: (lambda: COMPILED(G, STEPS, "keller", dtype).contiguous())
     fns = {k: [mk(G) for G in stacks] for k, mk in cols.items()}
     gemm()
     for per in fns.values():
@@ -143,6 +148,8 @@ def roofline(dtype, rounds, with_gram):
                f"{med([pick(r, 'torch')[0] / pick(r, 'ds')[0] for r in rec]):.2f}",
                med([pick(r, "ds")[0] for r in rec]) * 1e3, med([pick(r, "ds")[1] for r in rec]) * 1e3,
                med([pick(r, "torch")[0] for r in rec]) * 1e3, med([pick(r, "torch")[1] for r in rec]) * 1e3]
+        if COMPILED is not None:
+            row += [f"{med([pick(r, 'compiled')[0] / pick(r, 'ds')[0] for r in rec]):.2f}"]
         if with_gram:
             g_rate = [fl / pick(r, "gram")[0] for r in rec]  # standard FLOPs: the rate of the same result
             row += [f"{med([x / g for x, g in zip(g_rate, gemm_rate)]):.2f}"]
@@ -163,9 +170,14 @@ def print_calibration(dtypes):
                                  f"{bucket} {'x'.join(map(str, shape))}"]
                                 + [f"{res[f][0] * 1e3:.3f}{'=' if res[f][1] else '≠'}" for f in ns_kernels.FORMS])
     table(["dtype", "product", "input", "class (stack)"] + list(ns_kernels.FORMS), rows)
+    chunks = ns_kernels.measure_chunks(dtypes[0], DEVICE)
+    print(f"Chunk budgets on {'x'.join(map(str, ns_kernels.CHUNK_STACK))} "
+          f"({str(dtypes[0]).replace('torch.', '')}), median ms ('=' whole stacks' bits):",
+          ", ".join(f"{b // 2**20} MiB: {t * 1e3:.2f}{'=' if same else '≠'}" for b, (t, same) in chunks.items()), "\n")
     chosen = ns_kernels.calibrate(DEVICE, dtypes)
     print("calibrated choices (not batched):",
-          [(k[1:], f) for k, f in sorted(chosen.items()) if f != "batched"] or "none", "\n")
+          [(k[1:], f) for k, f in sorted(chosen.items()) if f != "batched"] or "none",
+          f"chunk budget {ns_kernels.chunk_bytes(DEVICE)}", "\n")
 
 
 def main():
@@ -174,16 +186,21 @@ def main():
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--calibrate", action="store_true", help="measure the forms first and use what is fastest")
+    ap.add_argument("--compile", action="store_true", help="add compiled NS (compile=True) as compiled/eager time")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for --device cuda (H200: 989)")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, COMPILED
     DEVICE = args.device
+    if args.compile:
+        from ds_muon.newton_schulz import compiled_newton_schulz
+
+        COMPILED = compiled_newton_schulz()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("ns_roofline.py --device cuda: no CUDA device here")
     torch.set_num_threads(1)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     header(f"Newton–Schulz vs GEMM 2048² vs torch.optim.Muon's NS, {STEPS} Keller steps, {args.rounds} interleaved "
-           "rounds, medians of per-round ratios" + (" (GPU: device time)" if DEVICE == "cuda" else
+           "rounds, medians of per-round ratios"+ (" (GPU: device time)" if DEVICE == "cuda" else
                                                      ", one thread, process CPU time"))
     print(f"ds_muon.ns_kernels: family {ns_kernels.family(DEVICE)}, table {ns_kernels.fingerprint()}\n")
     if args.calibrate:
@@ -196,10 +213,13 @@ def main():
     if DEVICE == "cuda":
         headers[8], headers[10] = "ds device ms", "torch device ms"
         headers.insert(5, f"NS/peak {args.peak_tflops:g}")
+        headers += ["compiled/eager"] if COMPILED is not None else []
         headers.append("Gram(fp16)/GEMM")
         for r in rows:
             r.insert(5, f"{r[3] / args.peak_tflops:.3f}")
             r.extend([""] * (len(headers) - len(r)))
+    elif COMPILED is not None:
+        headers.append("compiled/eager")
     table(headers, rows)
     print("NS/GEMM: NS FLOP rate over the 2048² GEMM's; bare bmm/GEMM: one step's three products as plain bmm "
           "(no scaled adds, no copies: the ceiling of any exact form) over the GEMM's; batched/chosen: the old all-batched NS time over the chosen "

@@ -109,7 +109,9 @@ def first_difference(everyone: List[Dict[str, Any]]) -> str:
     for k in keys:
         values = [s.get(k, "<missing>") for s in everyone]
         if any(v != values[0] for v in values[1:]):
-            return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+            hint = (" (the NS kernel forms: call ds_muon.ns_kernels.pin() alike on every rank, or calibrate() on "
+                    "every rank, which adopts rank 0's choices)") if k == "ns_kernels" else ""
+            return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)) + hint
     return "the settings hash differs, but no single setting does (a hash collision)"
 
 

@@ -179,10 +179,29 @@ def newton_schulz(
     out_dtype = compute_dtype(method, dtype)
     method = resolve_method(method, G.size(-2), G.size(-1), steps, dtype, G.device.type)
     dtype = compute_dtype(method, dtype)
+    rows, cols = G.size(-2), G.size(-1)
+    batch_shape = G.shape[:-2]
+    G3 = G.reshape(-1, rows, cols)
+    gram = method == "gram" and use_gram(rows, cols, steps)
+    # where a whole stack's workspace outgrows the caches, whole matrices at a time (ns_kernels):
+    # every matrix meets the same operations either way, so the bits do not change
+    chunk = len(G3) if gram or _compiling() else ns_kernels.chunk_matrices(
+        G.device.type, dtype, len(G3), min(rows, cols), max(rows, cols), steps)
+    if chunk >= len(G3):
+        X = _orthogonalize(G3, per_step, norm_scale, eps, dtype, gram)
+        return X.reshape(*batch_shape, rows, cols).to(out_dtype)
+    out = torch.empty(G3.shape, dtype=out_dtype, device=G.device)
+    for k0 in range(0, len(G3), chunk):
+        k1 = min(len(G3), k0 + chunk)
+        out[k0:k1].copy_(_orthogonalize(G3[k0:k1], per_step, norm_scale, eps, dtype, gram))
+    return out.reshape(*batch_shape, rows, cols)
+
+
+def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dtype: torch.dtype,
+                   gram: bool) -> torch.Tensor:
+    """Cast, normalise and iterate a stack [batch, rows, cols]; the result in G's orientation."""
     X = G.to(input_dtype(dtype))
     fresh = X is not G  # the cast made a copy this function owns: normalise it in place
-    batch_shape = X.shape[:-2]
-    X = X.reshape(-1, X.size(-2), X.size(-1))
     norm = _frobenius_norm(X)
     if norm_scale != 1.0:
         norm = norm * norm_scale
@@ -193,13 +212,8 @@ def newton_schulz(
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
-    if method == "gram" and use_gram(X.size(-2), X.size(-1), steps):
-        X = _gram_iteration(X, per_step)
-    else:
-        X = _standard_iteration(X, per_step)
-    if tall:
-        X = X.mT
-    return X.reshape(*batch_shape, X.size(-2), X.size(-1)).to(out_dtype)
+    X = _gram_iteration(X, per_step) if gram else _standard_iteration(X, per_step)
+    return X.mT if tall else X
 
 
 def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
@@ -214,7 +228,7 @@ def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
 
 
 def _standard_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
-    """X ← aX + (bA + cA²)X with A = XXᵀ, on [batch, m, n] with m <= n."""
+    """X ← aX + (bA + cA²)X with A = XXᵀ, on [batch, m, n] with m <= n, in a fixed workspace."""
     b_, m, n = X.shape
     A = X.new_empty((b_, m, m))
     B = X.new_empty((b_, m, m))

@@ -7,7 +7,7 @@ workspace).  Both forms hand the same operands to the same fused GEMM with the s
 alpha/beta, so on the CPUs measured they give the same bits (``tests/test_ns_kernels.py``
 checks it, and :func:`calibrate` admits a form only where it does); they differ in
 speed, and which is faster depends on the machine: on the Intel AMX box the batched
-``apply`` of a tall stack's first step (X a transposed view) ran 1.4-1.8× slower than
+``apply`` of a tall stack's first step (X a transposed view) ran 1.2-1.8× slower than
 per-matrix ``addmm``, while on small matrices the per-matrix loop costs 5-10× in
 dispatch.  Separate scaled adds (``bmm`` then ``add_``) and folding ``a`` into B round
 differently and measured slower or less accurate (``benchmarks/ns_roofline.py``), so
@@ -57,14 +57,25 @@ def kernel_class(device_type: str, dtype: torch.dtype, product: str, transposed:
 # Classes absent here run batched.
 TABLES: Dict[str, Dict[Tuple[str, str, bool, str], str]] = {
     # Intel Xeon with AMX (bf16 tiles), torch 2.13 CPU: the first step of a tall stack reads X as a
-    # transposed view; batched ``baddbmm`` on it ran 1.4× (bf16) and 1.8× (fp32) per-matrix ``addmm``'s
-    # time, ``bmm`` X·Xᵀ on it the same either way (docs/PERFORMANCE.md)
+    # transposed view; batched ``baddbmm`` on it took 1.2-1.4× (bf16) and 1.2-1.8× (fp32) per-matrix
+    # ``addmm``'s time; every other class ran batched as fast or faster (docs/PERFORMANCE.md)
     "cpu:GenuineIntel:amx": {
         ("bfloat16", "apply", True, "large"): "per_matrix",
         ("float32", "apply", True, "large"): "per_matrix",
         ("float16", "apply", True, "large"): "per_matrix",
     },
 }
+
+# Per device family: bytes of NS workspace one chunk of a stack may use before the iteration runs
+# chunk by chunk (ns_kernels.chunk_matrices); absent: whole stacks.
+CHUNK_BYTES: Dict[str, int] = {
+    # the Intel AMX box (2 MiB L2 per core, memory bandwidth shared with other jobs): 6 MiB chunks ran the bank
+    # (8x512², 4x1536x512, 4x512x1536, 4x384x1024) 1.09-1.25x faster than whole stacks in bf16, 1.05x in fp32
+    # (3 and 12 MiB: less); one 512² bf16 matrix's workspace is 2.5 MiB (docs/PERFORMANCE.md)
+    "cpu:GenuineIntel:amx": 6 * 2**20,
+}
+CHUNK_CANDIDATES = (0, 3 * 2**20, 6 * 2**20, 12 * 2**20)  # what calibrate() tries (0: whole stacks)
+CHUNK_STACK = (8, 512, 512)  # ... on this stack
 
 _pinned: Dict[Class, str] = {}  # pin(): per-process choices, first
 _calibrated: Dict[Class, str] = {}  # calibrate(): measured choices, next
@@ -106,6 +117,35 @@ def choice(device_type: str, dtype: torch.dtype, product: str, transposed: bool,
     return TABLES.get(family(device_type), {}).get(key[1:], "batched")
 
 
+_chunk_pin: list = [None]  # pin_chunk_bytes(): this process's budget, over CHUNK_BYTES
+
+
+def chunk_bytes(device_type: str) -> Optional[int]:
+    """The workspace budget of one chunk on ``device_type`` (None: whole stacks)."""
+    if _chunk_pin[0] is not None:
+        return _chunk_pin[0] or None
+    return CHUNK_BYTES.get(family(device_type))
+
+
+def pin_chunk_bytes(budget: Optional[int]) -> None:
+    """Fix the chunk budget for this process: bytes, 0 for whole stacks, None to follow the table."""
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        raise ValueError(f"ds_muon.ns_kernels.pin_chunk_bytes: budget={budget!r} must be an int >= 0 or None")
+    _version[0] += 1
+    _chunk_pin[0] = budget
+
+
+def chunk_matrices(device_type: str, dtype: torch.dtype, batch: int, m: int, n: int, steps: int) -> int:
+    """How many matrices of a [batch, m, n] stack one pass of the iteration takes: all of them,
+    unless the stack's workspace (X, A, B and two X buffers per matrix) exceeds :func:`chunk_bytes`.
+    Any chunking gives the same bits (each matrix meets the same products), so this is speed only."""
+    budget = chunk_bytes(device_type)
+    if budget is None or batch <= 1 or steps < 1:
+        return batch
+    per = (3 * m * n + 2 * m * m) * dtype.itemsize
+    return max(1, min(batch, budget // max(per, 1)))
+
+
 def pin(choices: Optional[Dict[Class, str]] = None, *, form: Optional[str] = None) -> None:
     """Fix choices for this process: ``choices`` per class, or ``form`` for every class; with neither,
     forget all pins.  Pins win over calibration and the built-in table."""
@@ -139,6 +179,7 @@ def reset() -> None:
     _version[0] += 1
     _pinned.clear()
     _calibrated.clear()
+    _chunk_pin[0] = None
 
 
 def fingerprint() -> str:
@@ -163,7 +204,8 @@ def _effective_text() -> str:
             effective[(dev,) + k] = f
     effective.update(_calibrated)
     effective.update(_pinned)
-    return repr(sorted((k, f) for k, f in effective.items() if f != "batched"))
+    chunks = [(dev, chunk_bytes(dev)) for dev in devices if chunk_bytes(dev) is not None]
+    return repr(sorted((k, f) for k, f in effective.items() if f != "batched")) + (f" chunks {chunks}" if chunks else "")
 
 
 # -- the products -------------------------------------------------------------------------------
@@ -260,13 +302,40 @@ def measure(product: str, dtype, device, transposed: bool, bucket: str, repeats:
     return {f: (statistics.median(times[f]), same[f]) for f in FORMS}
 
 
+def measure_chunks(dtype, device, repeats: int = 3):
+    """{chunk budget: (median seconds, same bits as whole stacks)} of NS on :data:`CHUNK_STACK`, interleaved."""
+    from .newton_schulz import newton_schulz
+
+    G = torch.randn(CHUNK_STACK, generator=torch.Generator().manual_seed(0)).to(device)
+    saved = _chunk_pin[0]
+    out, times = {}, {b: [] for b in CHUNK_CANDIDATES}
+    try:
+        for b in CHUNK_CANDIDATES:
+            _chunk_pin[0] = b
+            out[b] = newton_schulz(G, 5, "keller", dtype)
+        for _ in range(repeats):
+            for b in CHUNK_CANDIDATES:
+                _chunk_pin[0] = b
+                _sync(device)
+                t0 = time.perf_counter() if torch.device(device).type == "cuda" else time.process_time()
+                newton_schulz(G, 5, "keller", dtype)
+                _sync(device)
+                t1 = time.perf_counter() if torch.device(device).type == "cuda" else time.process_time()
+                times[b].append(t1 - t0)
+    finally:
+        _chunk_pin[0] = saved
+    return {b: (statistics.median(times[b]), torch.equal(out[b], out[0])) for b in CHUNK_CANDIDATES}
+
+
 def calibrate(device="cpu", dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float32),
               group=None, repeats: int = 5, margin: float = 0.95) -> Dict[Class, str]:
     """Measure every class on ``device`` for ``dtypes`` (about a second on a CPU) and use the
     fastest form that gives the batched form's bits (a form must beat batched by ``margin`` to
     be chosen).  With a process group initialised this is collective over ``group``: every rank
     measures, rank 0's choices are broadcast and used everywhere (so timing noise cannot make
-    ranks disagree).  Returns the choices now in effect from calibration."""
+    ranks disagree).  The chunk budget (:func:`chunk_matrices`) is measured too, on
+    :data:`CHUNK_STACK` in the first dtype, and set for the process like :func:`pin_chunk_bytes`.
+    Returns the product choices now in effect from calibration."""
     import torch.distributed as dist
 
     dev_type = torch.device(device).type
@@ -282,10 +351,15 @@ def calibrate(device="cpu", dtypes: Iterable[torch.dtype] = (torch.bfloat16, tor
                         if same and t < margin * base and t < res[best][0]:
                             best = f
                     found[(dev_type, str(dtype).replace("torch.", ""), product, transposed, bucket)] = best
+    dtypes = list(dtypes)
+    chunks = measure_chunks(dtypes[0], device, max(1, repeats // 2)) if dtypes else {0: (1.0, True)}
+    budget = min((b for b, (t, same) in chunks.items() if same and (b == 0 or t < margin * chunks[0][0])),
+                 key=lambda b: chunks[b][0])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        box = [found]
+        box = [(found, budget)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        found = box[0]
+        found, budget = box[0]
     _version[0] += 1
     _calibrated.update(found)
+    _chunk_pin[0] = budget
     return dict(found)

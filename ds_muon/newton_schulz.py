@@ -191,16 +191,22 @@ def newton_schulz(
         X = _orthogonalize(G3, per_step, norm_scale, eps, dtype, gram)
         return X.reshape(*batch_shape, rows, cols).to(out_dtype)
     out = torch.empty(G3.shape, dtype=out_dtype, device=G.device)
+    # one cast buffer and one workspace for every chunk (fresh pages per chunk cost page faults)
+    cast = G3.new_empty((chunk, rows, cols), dtype=input_dtype(dtype)) if G3.dtype != input_dtype(dtype) else None
+    ws = _workspace(chunk, min(rows, cols), max(rows, cols), dtype, G.device)
     for k0 in range(0, len(G3), chunk):
         k1 = min(len(G3), k0 + chunk)
-        out[k0:k1].copy_(_orthogonalize(G3[k0:k1], per_step, norm_scale, eps, dtype, gram))
+        X = _orthogonalize(G3[k0:k1], per_step, norm_scale, eps, dtype, gram,
+                           None if cast is None else cast[:k1 - k0], [w[:k1 - k0] for w in ws])
+        out[k0:k1].copy_(X)
     return out.reshape(*batch_shape, rows, cols)
 
 
 def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dtype: torch.dtype,
-                   gram: bool) -> torch.Tensor:
-    """Cast, normalise and iterate a stack [batch, rows, cols]; the result in G's orientation."""
-    X = G.to(input_dtype(dtype))
+                   gram: bool, cast=None, ws=None) -> torch.Tensor:
+    """Cast, normalise and iterate a stack [batch, rows, cols]; the result in G's orientation.
+    ``cast`` (a buffer for the cast) and ``ws`` (the iteration's workspace) are reused across chunks."""
+    X = G.to(input_dtype(dtype)) if cast is None else cast.copy_(G)  # the same elementwise rounding
     fresh = X is not G  # the cast made a copy this function owns: normalise it in place
     norm = _frobenius_norm(X)
     if norm_scale != 1.0:
@@ -212,7 +218,7 @@ def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dty
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
-    X = _gram_iteration(X, per_step) if gram else _standard_iteration(X, per_step)
+    X = _gram_iteration(X, per_step) if gram else _standard_iteration(X, per_step, ws)
     return X.mT if tall else X
 
 
@@ -227,12 +233,17 @@ def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=wide)
 
 
-def _standard_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
-    """X ← aX + (bA + cA²)X with A = XXᵀ, on [batch, m, n] with m <= n, in a fixed workspace."""
+def _workspace(count: int, m: int, n: int, dtype: torch.dtype, device) -> list:
+    """A and B ([count, m, m]), then two X buffers ([count, m, n], contiguous whatever X's strides)."""
+    return [torch.empty((count, m, m), dtype=dtype, device=device) for _ in range(2)] + \
+        [torch.empty((count, m, n), dtype=dtype, device=device) for _ in range(2)]
+
+
+def _standard_iteration(X: torch.Tensor, per_step, ws=None) -> torch.Tensor:
+    """X ← aX + (bA + cA²)X with A = XXᵀ, on [batch, m, n] with m <= n, in a fixed workspace
+    (``ws`` from :func:`_workspace`, or a new one)."""
     b_, m, n = X.shape
-    A = X.new_empty((b_, m, m))
-    B = X.new_empty((b_, m, m))
-    bufs = [X.new_empty((b_, m, n)), X.new_empty((b_, m, n))]  # contiguous, whatever X's strides
+    A, B, *bufs = ws if ws is not None else _workspace(b_, m, n, X.dtype, X.device)
     compiling = _compiling()
     for k, (a, b, c) in enumerate(per_step):
         # the forms this machine runs fastest (ns_kernels: all give the same bits); step 1 of a tall

@@ -185,9 +185,9 @@ def newton_schulz(
     gram = method == "gram" and use_gram(rows, cols, steps)
     # where a whole stack's workspace outgrows the caches, whole matrices at a time (ns_kernels):
     # every matrix meets the same operations either way, so the bits do not change
-    chunk = len(G3) if gram or _compiling() else ns_kernels.chunk_matrices(
+    chunk = None if gram or _compiling() else ns_kernels.chunk_matrices(
         G.device.type, dtype, len(G3), min(rows, cols), max(rows, cols), steps)
-    if chunk >= len(G3):
+    if chunk is None or chunk >= len(G3):  # (compiled: no test on the symbolic batch size)
         X = _orthogonalize(G3, per_step, norm_scale, eps, dtype, gram)
         return X.reshape(*batch_shape, rows, cols).to(out_dtype)
     out = torch.empty(G3.shape, dtype=out_dtype, device=G.device)

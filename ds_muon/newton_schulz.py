@@ -291,7 +291,7 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
         base = torch.add(R, eye, alpha=a / b).mul_(b) if b else eye * a
         if c:
             torch.baddbmm(base, R, R, alpha=c, out=Z)
-        else:  # torch 2.13's CPU baddbmm(alpha=0) is wrong in bf16/fp16 (ns_kernels.poly)
+        else:  # no product for c = 0 (torch 2.13's CPU baddbmm(alpha=0) is wrong in bf16/fp16: ns_kernels.poly)
             Z.copy_(base)
         Q = Z.clone() if Q is None else torch.bmm(Z, Q)
         if k + 1 < len(per_step):

@@ -225,8 +225,9 @@ def gram(X: torch.Tensor, out: torch.Tensor, form: str) -> torch.Tensor:
 
 
 def poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor, form: str) -> torch.Tensor:
-    """out ← bA + cA·A.  ``c = 0`` is a scaled copy: torch 2.13's CPU ``baddbmm(alpha=0)`` returns
-    wrong values in bf16 and fp16 (and ``alpha=0`` never needs a product)."""
+    """out ← bA + cA·A.  ``c = 0`` is a scaled copy: torch 2.13's CPU ``baddbmm(alpha=0)`` in bf16 and
+    fp16 ignores ``beta`` (returns A unscaled; measured from 16×16 up, fp32 and 2-D ``addmm`` right),
+    and ``alpha=0`` never needs a product anyway."""
     if c == 0:
         return torch.mul(A, b, out=out)
     if form == "per_matrix":

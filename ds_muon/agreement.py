@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from . import ns_kernels
 from .copies import copy_key, describe, holders
 from .extremes import Extremes
 from .identity import identity_of
@@ -88,6 +89,9 @@ def settings_of(optimizer) -> Dict[str, Any]:
     # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
     # type differs would plan other homes, so it must fail here, not in the exchange
     out["cost_model"] = repr(optimizer.planning_cost_model())
+    # the NS kernel forms this process runs (ns_kernels: pinned, calibrated or the device family's
+    # table): duplicated homes must compute the same bits everywhere
+    out["ns_kernels"] = ns_kernels.fingerprint()
     out["overlap"] = bool(getattr(optimizer, "overlap", False))
     out["apply_in_forward"] = getattr(optimizer, "_deferred", None) is not None
     out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
@@ -111,7 +115,9 @@ def first_difference(everyone: List[Dict[str, Any]]) -> str:
     for k in keys:
         values = [s.get(k, "<missing>") for s in everyone]
         if any(v != values[0] for v in values[1:]):
-            return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+            hint = (" (the NS kernel forms: call ds_muon.ns_kernels.pin() alike on every rank, or calibrate() on "
+                    "every rank, which adopts rank 0's choices)") if k == "ns_kernels" else ""
+            return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)) + hint
     return "the settings hash differs, but no single setting does (a hash collision)"
 
 

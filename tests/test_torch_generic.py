@@ -592,7 +592,7 @@ def test_non_empty_state():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_non_contiguous_parameter_steps_bitwise_like_contiguous(overlap):
     """A weight with strides (10, 2) (no flat view) in a model, decoupled and L2 decay, with and
-    without overlap (the deferred update lands through the same copy): bitwise the contiguous
+    without overlap (``apply_in_forward``: the deferred update lands through the same copy): bitwise the contiguous
     model's, and the parameter keeps its strides."""
     def build(contiguous):
         torch.manual_seed(0)
@@ -604,7 +604,7 @@ def test_non_contiguous_parameter_steps_bitwise_like_contiguous(overlap):
         groups = ds_muon.muon_param_groups(model, weight_decay=0.1)
         groups[0]["weight_decay_mode"] = "l2" if overlap else "decoupled"
         return model, ds_muon.Muon(groups, ns_dtype=torch.float32, overlap=overlap, model=model,
-                                   dispatch_in_backward=False)
+                                   apply_in_forward=overlap, dispatch_in_backward=False)
 
     (a, oa), (b, ob) = build(True), build(False)
     assert b[0].weight.stride() == (10, 2)

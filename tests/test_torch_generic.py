@@ -592,8 +592,8 @@ def test_non_empty_state():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_non_contiguous_parameter_steps_bitwise_like_contiguous(overlap):
     """A weight with strides (10, 2) (no flat view) in a model, decoupled and L2 decay, with and
-    without overlap (``apply_in_forward``: the deferred update lands through the same copy): bitwise the contiguous
-    model's, and the parameter keeps its strides."""
+    without overlap (``apply_in_forward``: the deferred update lands through the same copy):
+    bitwise the contiguous model's, and the parameter keeps its strides."""
     def build(contiguous):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))

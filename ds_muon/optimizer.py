@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from .agreement import Agreement, settings_of
+from .agreement import Agreement, LocalFailure, settings_of
 from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
 from .identity import next_ordinal
@@ -378,23 +378,26 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, g in enumerate(self.param_groups):
-            check_settings(g, gi)
+        # a check that fails here on one rank only is carried to the agreement (LocalFailure), so
+        # every rank raises, instead of the others waiting in its all_reduce
+        failed = LocalFailure.catch(lambda: [check_settings(g, gi) for gi, g in enumerate(self.param_groups)])
         if self._not_carried:
             self._check_not_carried()
         self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
-        check_state(self.param_groups, self.state, self._name)  # every state tensor fits, before any write
+        failed = failed or LocalFailure.catch(  # every state tensor fits, before any write
+            lambda: check_state(self.param_groups, self.state, self._name))
         self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
-        loss = self._stages(loss)
+        loss = self._stages(loss, failed)
         if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
             self._summary_logged = log_first_step(self)
         return loss
 
-    def _stages(self, loss):
-        """The stages of :meth:`step`, in order (see the module docstring)."""
-        active = self._check()  # 1. which tensors step, agreed by every rank
+    def _stages(self, loss, failed=None):
+        """The stages of :meth:`step`, in order (see the module docstring); ``failed``: this
+        rank's failed local check (:class:`~ds_muon.agreement.LocalFailure`), raised in stage 1."""
+        active = self._check(failed)  # 1. which tensors step, agreed by every rank
         if active is None:
             return loss
         work = self._active_matrices(active)  # 3. layouts: each one's matrices that step
@@ -458,13 +461,13 @@ class Muon(Optimizer):
         """The group the step's collectives run in, and its size (see :meth:`Agreement.group`)."""
         return self._agreement.group(self.process_group, self.param_groups, self._binding_sig)
 
-    def _check_gradients(self) -> Optional[set]:
+    def _check_gradients(self, failed=None) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes
         (:class:`~ds_muon.agreement.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._step_group()
         verdict = self._agreement.check(items, self._name, group, world,
-                                        settings_of(self) if world > 1 else None, self._dispatch)
+                                        settings_of(self) if world > 1 else None, self._dispatch, failed)
         if verdict.nonfinite:
             name = verdict.nonfinite[0]
             if self.nonfinite == "raise":
@@ -529,11 +532,11 @@ class Muon(Optimizer):
             maximize=False,
         )
 
-    def _check(self) -> Optional[set]:
+    def _check(self, failed=None) -> Optional[set]:
         """Stage 1: the agreement (:meth:`_check_gradients`); early gathers are waited out
         when the step raises or is skipped."""
         try:
-            active = self._check_gradients()
+            active = self._check_gradients(failed)
         except BaseException:
             self._drain_early()
             raise

@@ -211,7 +211,8 @@ class Agreement:
                 continue
             lg = g._local_tensor if isinstance(g, _DTENSOR) else g  # local_data, inline
             if lg.is_sparse:
-                sparse = ValueError(f"ds_muon: {name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
+                sparse = ValueError(
+                    f"ds_muon: {name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
                 if world == 1:
                     raise sparse
                 failed = failed or sparse  # raised after the all_reduce, on every rank

@@ -37,6 +37,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from .agreement import Agreement, settings_of
 from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
+from .state_check import check_state_shapes
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
@@ -673,6 +674,7 @@ class Muon(Optimizer):
         algorithm, same tensor names) and hold valid settings; older ds_muon state dicts
         are brought up to date (see :meth:`_upgrade_groups`)."""
         check_loaded_groups(self.param_groups, state_dict["param_groups"], self.defaults, self.adam_betas, self.adam_eps)
+        check_state_shapes(self.param_groups, state_dict)  # another model's state of the same group sizes
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
         super().load_state_dict(state_dict)

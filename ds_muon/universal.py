@@ -33,8 +33,9 @@ def _ds():
 
 
 def _flat_keys(state: dict, flat: torch.Tensor) -> List[str]:
-    """The per-element state keys of one flat partition (tensors as long as it), plus ``step``."""
-    keys = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == flat.numel()]
+    """The per-element state keys of one flat partition (1-D tensors at least as long as it: the checkpoint reader
+    strips the partition's alignment padding from the fp32 partition, not from the state), plus ``step``."""
+    keys = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat.numel()]
     return keys + ([STEP] if STEP in state else [])
 
 

@@ -26,17 +26,40 @@ STAGES = (1, 2, 3)
 KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
 
-def full_state(engine):
-    """``{name: {key: whole tensor}}`` of the optimizer state (a collective under ZeRO)."""
+def full_state(engine, muon_names=None):
+    """``{name: {key: whole tensor}}`` of the optimizer state (a collective under ZeRO), through DeepSpeed's
+    ``safe_get_full_optimizer_state``."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    muon = ds_muon.find_muon(engine)
-    muon_names = {n for g in muon.param_groups if g["use_muon"] for n in g["param_names"]}
+    if muon_names is None:
+        muon = ds_muon.find_muon(engine)
+        muon_names = {n for g in muon.param_groups if g["use_muon"] for n in g["param_names"]}
+    zero = engine.optimizer
+    ds_api = getattr(zero, "_ds_muon_relinks", False) or not hasattr(zero, "single_partition_of_fp32_groups")
+    get = safe_get_full_optimizer_state if ds_api else _by_address
     out = {}
     for n, p in engine.module.named_parameters():
         keys = ("momentum_buffer",) if n in muon_names else ("exp_avg", "exp_avg_sq")
-        out[n] = {k: safe_get_full_optimizer_state(p, k).clone() for k in keys}
+        out[n] = {k: get(p, k, engine) if get is _by_address else get(p, k).clone() for k in keys}
     return out
+
+
+def _by_address(p, key, engine):
+    """A ZeRO-1/2 tensor's whole state read from the flat partitions through its ``_hp_mapping`` addresses.
+    DeepSpeed's own "type": "muon" links its per-tensor views of the state after its first group's step, before
+    its AdamW group has state, so ``safe_get_full_optimizer_state`` fails there (ds_muon engines relink:
+    ds_muon.ds_checkpoint.relink_state_fragments)."""
+    import torch.distributed as dist
+
+    zero = engine.optimizer
+    full = torch.zeros(p.numel(), dtype=torch.float32)
+    m = p._hp_mapping
+    if m is not None:
+        flat = zero.optimizer.state[zero.single_partition_of_fp32_groups[m.param_group_index]][key]
+        full.narrow(0, m.lp_fragment_address.start, m.lp_fragment_address.numel).copy_(
+            flat.narrow(0, m.hp_fragment_address.start, m.hp_fragment_address.numel))
+    dist.all_reduce(full)
+    return full.view(p.shape)
 
 
 def _save_worker(rank, world, root):
@@ -57,8 +80,49 @@ def _save_worker(rank, world, root):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     train(engine, 2)
     engine.save_checkpoint(os.path.join(root, "dsmuon"), tag="t2")
-    out["dsmuon"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["dsmuon"] = full_state(engine, muon_names={n for n, p in engine.module.named_parameters() if p.use_muon}), \
+        full_fp32(engine)
+    out["refusals"] = _refusals(root)
     return out
+
+
+def _snapshot(engine):
+    return full_fp32(engine), {n: p.detach().clone() for n, p in engine.module.named_parameters()}, full_state(engine)
+
+
+def _refusals(root):
+    """A ds_muon ZeRO-2 engine refuses DeepSpeed Muon's checkpoint (other groups) before anything loads; a plain
+    Muon refuses another model's state dict."""
+    from test_deepspeed import TinyLM
+
+    torch.manual_seed(7)
+    engine, _, _, _ = ds_muon_deepspeed.initialize(model=TinyLM(), config=ds_config(2))
+    train(engine, 1)
+    before = _snapshot(engine)
+    try:
+        engine.load_checkpoint(os.path.join(root, "dsmuon"), tag="t2")
+        ds_error = None
+    except ValueError as e:
+        ds_error = str(e)
+    after = _snapshot(engine)
+    unchanged = all(torch.equal(a[n], b[n]) for a, b in zip(before[:2], after[:2]) for n in a) and all(
+        torch.equal(before[2][n][k], after[2][n][k]) for n in before[2] for k in before[2][n])
+    # a plain state dict from another model: same names and group sizes, other shapes
+    wide = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    narrow = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
+    src = ds_muon.Muon(ds_muon.muon_param_groups(wide, head_names=()), log_summary=False)
+    dst = ds_muon.Muon(ds_muon.muon_param_groups(narrow, head_names=()), log_summary=False)
+    for m, o in ((wide, src), (narrow, dst)):
+        m(torch.randn(4, 8)).sum().backward()
+        o.step()
+    kept = {id(p): {k: v.clone() for k, v in o_st.items()} for p, o_st in dst.state.items()}
+    try:
+        dst.load_state_dict(src.state_dict())
+        plain_error = None
+    except ValueError as e:
+        plain_error = str(e)
+    plain_unchanged = all(torch.equal(dst.state[p][k], kept[id(p)][k]) for p in dst.state for k in kept[id(p)])
+    return ds_error, unchanged, plain_error, plain_unchanged
 
 
 def _load_worker(rank, world, root):
@@ -74,14 +138,61 @@ def _load_worker(rank, world, root):
         loaded = full_state(engine), full_fp32(engine)
         train(engine, 1, start=2)
         out[stage] = loaded + (full_fp32(engine), engine.global_steps)
+    if world == 1:
+        out["from_dsmuon"] = _from_deepspeed_muon(root)
+        out["other_world"] = _other_world_refused(root)
     return out
+
+
+def _from_deepspeed_muon(root):
+    import sys, time; t0 = time.time(); log = lambda m: print(f"[dbg {time.time()-t0:.1f}s cpu {time.process_time():.1f}] {m}", file=sys.stderr, flush=True)
+    """DeepSpeed's "type": "muon" ZeRO-2 checkpoint → ds_muon universal (by name) → a DsMuon ZeRO-2 engine; its
+    next step against single-process ds_muon stepping from the same converted state."""
+    from ds_muon import convert as cv
+    from test_deepspeed import TinyLM
+
+    dst = os.path.join(root, "from_dsmuon", "t2")
+    cv.convert(os.path.join(root, "dsmuon"), dst, make_model(), config=ds_config(2))
+    log("converted")
+    torch.manual_seed(99)
+    cfg = dict(ds_config(2), checkpoint={"load_universal": True})
+    engine, _, _, _ = ds_muon_deepspeed.initialize(model=TinyLM(), config=cfg)
+    engine.load_checkpoint(os.path.join(root, "from_dsmuon"))  # latest_universal
+    loaded = full_state(engine), full_fp32(engine)
+    log("loaded")
+    train(engine, 1, start=2)
+    log("trained")
+    # the reference: the same state given to a plain ds_muon in one process
+    model = make_model()
+    muon = cv.build(model, cv.read(os.path.join(root, "dsmuon")), dict(PARAMS))
+    with dist_harness.one_thread():
+        tokens, targets = batch(2)
+        model(tokens, targets).backward()
+        muon.step()
+    return loaded, full_fp32(engine), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _other_world_refused(root):
+    """A W=2 ZeRO-2 checkpoint (not universal) into a W=1 engine: refused before the module is touched (DeepSpeed
+    itself raises only after loading the module weights)."""
+    from test_deepspeed import TinyLM
+
+    torch.manual_seed(5)
+    engine, _, _, _ = ds_muon_deepspeed.initialize(model=TinyLM(), config=ds_config(2))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    try:
+        engine.load_checkpoint(os.path.join(root, "z2"), tag="t2")
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return error, all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
     results = dist_harness.run(_save_worker, 2, root, timeout=300, env=ENV)
-    return root, results[0]
+    return root, results
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +205,16 @@ def universal(saved):
     return root
 
 
+@pytest.fixture(scope="module")
+def at_w1(universal):
+    return dist_harness.run(_load_worker, 1, universal, timeout=300, env=ENV)
+
+
 @pytest.mark.parametrize("world", [1, 3])
-def test_universal_resume_at_other_world_size(saved, universal, world):
-    _, want = saved
-    results = dist_harness.run(_load_worker, world, universal, timeout=300, env=ENV)
+def test_universal_resume_at_other_world_size(saved, universal, world, request):
+    want = saved[1][0]
+    results = (request.getfixturevalue("at_w1") if world == 1 else
+               dist_harness.run(_load_worker, world, universal, timeout=300, env=ENV))
     for rank, got in enumerate(results):
         for stage in STAGES:
             state_w, fp32_w, next_w = want[stage]
@@ -115,3 +232,29 @@ def test_universal_resume_at_other_world_size(saved, universal, world):
                     scale = next_w[name].abs().max().clamp_min(1e-30)
                     err = (next_w[name] - next_g[name]).abs().max() / scale
                     assert err <= 1e-6, f"W={world} z{stage} {name}: next step off by {err:.2e} of its largest value"
+
+
+def test_mismatched_checkpoints_refused_on_every_rank_changing_nothing(saved):
+    for rank_result in saved[1]:  # both ranks
+        ds_error, unchanged, plain_error, plain_unchanged = rank_result["refusals"]
+        assert ds_error is not None and unchanged, ds_error
+        assert "param group 0, tensor" in ds_error, ds_error
+        assert '"type": "muon"' in ds_error and "ds-muon convert" in ds_error, ds_error
+        assert plain_error is not None and plain_unchanged, plain_error
+        assert "0.weight" in plain_error and "[16, 8]" in plain_error, plain_error
+
+
+def test_from_deepspeed_muon_and_other_world_size(saved, at_w1):
+    """DeepSpeed Muon's checkpoint converted by name: every state tensor equal to DeepSpeed Muon's own, the next step
+    bitwise that of single-process ds_muon from the same state; a ZeRO checkpoint of another W refused."""
+    results = at_w1[0]
+    ds_state, ds_fp32 = saved[1][0]["dsmuon"]
+    (state, fp32), after, reference = results["from_dsmuon"]
+    for name in ds_state:
+        assert torch.equal(ds_fp32[name], fp32[name]), name
+        for key in ds_state[name]:
+            assert torch.equal(ds_state[name][key], state[name][key]), f"{name} {key} changed in the conversion"
+        assert torch.equal(after[name], reference[name]), f"{name}: next step differs from single-process ds_muon"
+    error, unchanged = results["other_world"]
+    assert error is not None and unchanged, error
+    assert "world size 2" in error and "load_universal" in error, error

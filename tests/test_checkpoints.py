@@ -145,7 +145,6 @@ def _load_worker(rank, world, root):
 
 
 def _from_deepspeed_muon(root):
-    import sys, time; t0 = time.time(); log = lambda m: print(f"[dbg {time.time()-t0:.1f}s cpu {time.process_time():.1f}] {m}", file=sys.stderr, flush=True)
     """DeepSpeed's "type": "muon" ZeRO-2 checkpoint → ds_muon universal (by name) → a DsMuon ZeRO-2 engine; its
     next step against single-process ds_muon stepping from the same converted state."""
     from ds_muon import convert as cv
@@ -153,15 +152,12 @@ def _from_deepspeed_muon(root):
 
     dst = os.path.join(root, "from_dsmuon", "t2")
     cv.convert(os.path.join(root, "dsmuon"), dst, make_model(), config=ds_config(2))
-    log("converted")
     torch.manual_seed(99)
     cfg = dict(ds_config(2), checkpoint={"load_universal": True})
     engine, _, _, _ = ds_muon_deepspeed.initialize(model=TinyLM(), config=cfg)
     engine.load_checkpoint(os.path.join(root, "from_dsmuon"))  # latest_universal
     loaded = full_state(engine), full_fp32(engine)
-    log("loaded")
     train(engine, 1, start=2)
-    log("trained")
     # the reference: the same state given to a plain ds_muon in one process
     model = make_model()
     muon = cv.build(model, cv.read(os.path.join(root, "dsmuon")), dict(PARAMS))

@@ -251,3 +251,56 @@ def test_find_muon_through_wrappers():
     from ds_muon.accelerate import find_muon as accelerate_find_muon
 
     assert accelerate_find_muon(Wrapper(muon)) is muon
+
+
+# -- DCP -------------------------------------------------------------------------------------------------------
+def test_dcp_of_torch_muon_and_adamw_converts_and_resumes_bitwise(tmp_path):
+    """A DCP checkpoint written with torch.optim.Muon + AdamW (``get_state_dict(model, [muon, adamw])``) → a ds_muon
+    DCP checkpoint (``to="dcp"``) → loaded the documented way into ds_muon: state equal, next step bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with dist_harness.one_thread(), cv._one_rank_group():
+        a = net()
+        pair = torch_pair(a)
+        run(a, pair, 2)
+        msd, osd = get_state_dict(a, list(pair))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch_dcp"))
+        cv.convert(str(tmp_path / "torch_dcp"), str(tmp_path / "ours"), net(), to="dcp", settings=SETTINGS)
+        b = net()
+        muon = ds_muon_for(b)
+        msd, osd = get_state_dict(b, muon)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(tmp_path / "ours"))
+        set_state_dict(b, muon, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _state_equal(muon, b, cv.named_state(list(pair), a))
+        run(a, pair, 1, start=2)
+        run(b, [muon], 1, start=2)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), n
+
+
+def test_dcp_of_another_model_refused_changing_nothing(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    with cv._one_rank_group():
+        a = net()
+        muon = ds_muon_for(a)
+        run(a, [muon], 1)
+        cv.write_dcp(a, muon, str(tmp_path / "ckpt"))
+        b = other_net()
+        opt = ds_muon_for(b)
+        run(b, [opt], 1)
+        before = ({n: p.detach().clone() for n, p in b.named_parameters()},
+                  {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
+        msd, osd = get_state_dict(b, opt)
+        with pytest.raises(BaseException) as err:  # DCP's CheckpointException, gathered from every rank's plan
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+        said = str(err.value) + "".join(map(str, getattr(err.value, "failures", {}).values()))
+        assert "Size mismatch" in said and "model.up.weight" in said, said[:500]
+    for n, p in b.named_parameters():
+        assert torch.equal(p, before[0][n]), n
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, before[1][id(p)][k]), k

@@ -263,14 +263,14 @@ def load_state_from(muon: Muon, optimizers, model: Optional[nn.Module] = None, p
 
 
 def build(model: nn.Module, named: Named, settings: Optional[Dict[str, Any]] = None, fresh: bool = False) -> Muon:
-    """The model (weights loaded from ``named`` where it has them) and a ``Muon`` over
-    ``muon_param_groups(model, **group settings)`` holding ``named``'s state."""
-    from .accelerate import split_settings
+    """The model (weights loaded from ``named`` where it has them) and a ``Muon`` holding ``named``'s state,
+    built as a ``"type": "DsMuon"`` entry with ``settings`` as its ``params`` builds it (``lr``, ``adam_lr``,
+    ``momentum``, ... : ``muon_param_groups`` and ``Muon`` keywords), so its groups are the engine's."""
+    from .deepspeed import build_optimizer
 
     if named.weights:
         _load_weights(model, named.weights)
-    group_kw, muon_kw = split_settings(dict(settings or {}))
-    muon = Muon(muon_param_groups(model, **group_kw), log_summary=False, **muon_kw)
+    muon = build_optimizer(model, dict({"log_summary": False}, **(settings or {})))
     load_named(muon, named, fresh=fresh)
     return muon
 

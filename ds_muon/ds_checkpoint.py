@@ -130,9 +130,10 @@ def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights
     now = [g.get("param_names") for g in muon.param_groups]
     theirs = [g.get("param_names") for g in saved_groups]
     if len(saved_groups) != len(muon.param_groups) or any(t is None for t in theirs):
-        _refuse(src, f"its {len(saved_groups)} saved param groups {'do not name their tensors' if theirs and any(t is None for t in theirs) else ''} "
-                     f"(this engine has {len(muon.param_groups)} ds_muon groups); DeepSpeed copies each saved "
-                     "group's settings into the group of the same index")
+        unnamed = " that do not record their tensors' names" if any(t is None for t in theirs) else ""
+        _refuse(src, f"it saved {len(saved_groups)} param groups{unnamed} and this engine has "
+                     f"{len(muon.param_groups)} ds_muon groups (DeepSpeed copies each saved group's settings into "
+                     "the group of the same index)")
     diff = first_difference([[(n, ()) for n in g or []] for g in now], [[(n, ()) for n in g or []] for g in theirs])
     if diff:
         _refuse(src, diff.replace(" []", ""))

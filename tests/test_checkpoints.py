@@ -155,6 +155,13 @@ def _from_deepspeed_muon(root):
     torch.manual_seed(99)
     cfg = dict(ds_config(2), checkpoint={"load_universal": True})
     engine, _, _, _ = ds_muon_deepspeed.initialize(model=TinyLM(), config=cfg)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    try:  # DeepSpeed Muon's checkpoint in the universal layout as it is: its groups are not ds_muon's
+        engine.load_checkpoint(os.path.join(root, "dsmuon"), tag="t2_universal")
+        universal_error = None
+    except ValueError as e:
+        universal_error = str(e)
+    untouched = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     engine.load_checkpoint(os.path.join(root, "from_dsmuon"))  # latest_universal
     loaded = full_state(engine), full_fp32(engine)
     train(engine, 1, start=2)
@@ -165,7 +172,8 @@ def _from_deepspeed_muon(root):
         tokens, targets = batch(2)
         model(tokens, targets).backward()
         muon.step()
-    return loaded, full_fp32(engine), {n: p.detach().clone() for n, p in model.named_parameters()}
+    return loaded, full_fp32(engine), {n: p.detach().clone() for n, p in model.named_parameters()}, \
+        (universal_error, untouched)
 
 
 def _other_world_refused(root):
@@ -208,6 +216,7 @@ def universal(saved):
         ds_to_universal.main(args)
     for stage in STAGES:
         zero_to_universal(os.path.join(root, f"z{stage}", "t2"), os.path.join(root, f"z{stage}", "t2_universal"))
+    zero_to_universal(os.path.join(root, "dsmuon", "t2"), os.path.join(root, "dsmuon", "t2_universal"))
     return root
 
 
@@ -255,7 +264,9 @@ def test_from_deepspeed_muon_and_other_world_size(saved, at_w1):
     bitwise that of single-process ds_muon from the same state; a ZeRO checkpoint of another W refused."""
     results = at_w1[0]
     ds_state, ds_fp32 = saved[1][0]["dsmuon"]
-    (state, fp32), after, reference = results["from_dsmuon"]
+    (state, fp32), after, reference, (universal_error, untouched) = results["from_dsmuon"]
+    assert universal_error is not None and untouched, universal_error
+    assert "do not record their tensors' names" in universal_error, universal_error
     for name in ds_state:
         assert torch.equal(ds_fp32[name], fp32[name]), name
         for key in ds_state[name]:

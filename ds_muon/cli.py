@@ -23,6 +23,41 @@ from typing import List, Optional, Sequence, Tuple
 from . import costs
 from .planner import EXCHANGES, CostModel, ranks_per_node_from_env
 
+MAX_WORLD_SIZE = 65536  # llama-7b's table at 65536 ranks: ~25 s and ~0.7 GB here; beyond, the planner's inputs outgrow memory
+MAX_NS_STEPS = 100
+
+
+def _bounded(kind, name: str, low, high=None, strict: bool = False):
+    """An argparse ``type``: a finite ``kind`` in [low, high] ((low, high] if ``strict``), else a clear error."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        ok = v == v and v not in (float("inf"), float("-inf")) and (v > low if strict else v >= low)
+        if ok and high is not None:
+            ok = v <= high
+        if not ok:
+            span = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{name} must be a finite {'integer' if kind is int else 'number'} "
+                                             f"{span}, got {text!r}")
+        return v
+    return parse
+
+
+def _mesh_spec(text: str) -> str:
+    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.costs.parse_mesh` reads, of at most
+    :data:`MAX_WORLD_SIZE` ranks."""
+    try:
+        _, outer, inner = costs.parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if outer * inner > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: {outer * inner} ranks; at most {MAX_WORLD_SIZE}")
+    return text
+
+
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 ALL_STRATEGIES = costs.STRATEGIES
 DEFAULT_WORLD_SIZES = [8, 64, 512, 4096]
@@ -209,25 +244,25 @@ def main(argv=None) -> int:
     src.add_argument("--shapes", help='JSON: {"matrices": [{"name": ..., "shape": [rows, cols]}, ...]}')
     src.add_argument("--summary", help="JSON of a run's Muon.summary().save(PATH): its matrices, at its world size "
                                        "with what each rank held (and at --world-sizes if given)")
-    p.add_argument("--world-sizes", type=int, nargs="+", help=f"default {DEFAULT_WORLD_SIZES} (none with --summary)")
+    p.add_argument("--world-sizes", type=_bounded(int, "--world-sizes", 1, MAX_WORLD_SIZE), nargs="+", help=f"default {DEFAULT_WORLD_SIZES} (none with --summary)")
     p.add_argument("--layout", choices=["replicated", "partitioned"], default="partitioned",
                    help="replicated: DDP; partitioned: ZeRO-1/2 or FSDP1 flat shards")
     p.add_argument("--strategies", nargs="+", choices=ALL_STRATEGIES + costs.OPTIONAL, default=list(ALL_STRATEGIES),
                    help="default: all ('auto' is the optimizer's default planner='auto')")
-    p.add_argument("--ns-steps", type=int, default=5)
-    p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
-    p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
+    p.add_argument("--ns-steps", type=_bounded(int, "--ns-steps", 1, MAX_NS_STEPS), default=5)
+    p.add_argument("--tflops", type=_bounded(float, "--tflops", 0, strict=True), default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
+    p.add_argument("--link-gbps", type=_bounded(float, "--link-gbps", 0, strict=True), default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
     p.add_argument("--offload", action="store_true",
                    help="optimizer state in host memory (ZeRO-Offload, FSDP2 CPUOffloadPolicy): add each rank's "
                         "host<->device copies of its pieces and results (column max_host_bytes)")
-    p.add_argument("--pcie-gbps", type=float, default=400.0,
+    p.add_argument("--pcie-gbps", type=_bounded(float, "--pcie-gbps", 0, strict=True), default=400.0,
                    help="host<->device Gbit/s per rank under --offload (default: 400, PCIe Gen5 x16 in practice)")
-    p.add_argument("--mesh", nargs="+", metavar="SPEC",
+    p.add_argument("--mesh", nargs="+", metavar="SPEC", type=_mesh_spec,
                    help="model a 2-D mesh instead of --world-sizes: replicate=R,shard=S (HSDP) or dp=D,tp=T "
                         "(FSDP x tensor parallel); rows per strategy with NS per rank and bytes inside/across nodes")
-    p.add_argument("--ranks-per-node", type=int,
+    p.add_argument("--ranks-per-node", type=_bounded(int, "--ranks-per-node", 1, MAX_WORLD_SIZE),
                    help="ranks per node for the intra/inter-node cost model (default: $LOCAL_WORLD_SIZE, else one flat link)")
-    p.add_argument("--intra-gbps", type=float, default=3200.0,
+    p.add_argument("--intra-gbps", type=_bounded(float, "--intra-gbps", 0, strict=True), default=3200.0,
                    help="Gbit/s per rank inside a node (default 3200: NVLink-class, 400 GB/s)")
     p.add_argument("--exchange", choices=list(EXCHANGES),
                    help="add the columns max_peers and transport: the exchange's transport under CostModel(exchange=...) "
@@ -255,7 +290,10 @@ def main(argv=None) -> int:
                    help="start at zero the state of tensors the source stepped with the other algorithm")
     c.set_defaults(fn=cmd_convert)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (ValueError, OSError) as e:  # a bad file or spec: the message, not a traceback
+        ap.exit(2, f"ds-muon {args.cmd}: error: {e}\n")
 
 
 if __name__ == "__main__":

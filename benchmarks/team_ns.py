@@ -1,0 +1,90 @@
+"""Team NS (ds_muon.team) against one home: a step dominated by one large matrix, at W=2–4 gloo.
+
+One 2048×2048 matrix beside small ones (8 × 512×512, 8 × 256×1024), DDP-like (every rank holds every
+tensor).  ``planner="locality"`` gives the large matrix one home, so its NS is the step;
+``planner="auto"`` (team NS on, at the planner's CPU rates: ``CostModel.for_device("cpu")``) runs it as
+a team of ranks, each orthogonalizing a column block and all-reducing the m×m product per iteration.
+Both optimizers live in the same processes and step in interleaved rounds (auto, locality, auto, ...);
+each step's time is the slowest rank's (wall, and this process's CPU time), and the table reports the
+median over rounds of each round's auto/locality ratio, so the machine's minute-to-minute swings cancel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common import header, table
+
+import dist_harness
+import ds_muon
+
+LARGE = (2048, 2048)
+SMALL = [(512, 512)] * 8 + [(256, 1024)] * 8
+
+
+def _step_time(opt):
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    opt.step()
+    t = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t[0].item(), t[1].item()
+
+
+def _worker(rank, world, shapes, rounds, ns_dtype):
+    torch.manual_seed(0)
+    init = [torch.randn(s) * 0.02 for s in shapes]
+    opts = {}
+    for planner in ("auto", "locality"):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opts[planner] = (params, ds_muon.Muon(params, lr=0.02, ns_dtype=ns_dtype, planner=planner))
+
+    def grads(params, s):
+        g = torch.Generator().manual_seed(s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    times = {k: [] for k in opts}
+    for s in range(rounds + 1):  # round 0 plans, compiles and warms up
+        for planner, (params, opt) in opts.items():
+            grads(params, s)
+            t = _step_time(opt)
+            if s:
+                times[planner].append(t)
+    summary = opts["auto"][1].summary()
+    teams = [(m.shape, m.team) for m in summary.matrices if m.team]
+    diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(opts["auto"][0], opts["locality"][0]))
+    return times, teams, diff
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+    header(f"Team NS vs one home: {LARGE[0]}x{LARGE[1]} beside {len(SMALL)} small matrices, DDP-like, gloo, "
+           f"{args.dtype} NS")
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for world in args.worlds:
+        times, teams, diff = dist_harness.run(_worker, world, [LARGE] + SMALL, args.rounds, dtype, timeout=900)[0]
+        auto, loc = times["auto"], times["locality"]
+        wall = statistics.median(a[0] / b[0] for a, b in zip(auto, loc))
+        cpu = statistics.median(a[1] / b[1] for a, b in zip(auto, loc))
+        rows.append((world, ", ".join(f"{r}x{c} on {k}" for (r, c), k in teams) or "none",
+                     statistics.median(a[0] for a in auto) * 1e3, statistics.median(b[0] for b in loc) * 1e3,
+                     wall, cpu, diff))
+    table(("W", "teams (auto)", "auto step ms", "locality step ms", "auto/locality wall (median of ratios)",
+           "auto/locality CPU", "max rel. param diff"), rows)
+    print(f"{args.rounds} interleaved rounds per W; step = slowest rank; CPU = process_time of the slowest rank.")
+
+
+if __name__ == "__main__":
+    main()

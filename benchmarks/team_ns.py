@@ -32,9 +32,10 @@ def _step_time(opt):
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     opt.step()
-    t = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+    mine = time.process_time() - c0
+    t = torch.tensor([time.perf_counter() - t0, mine], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t[0].item(), t[1].item()
+    return t[0].item(), t[1].item(), mine
 
 
 def _worker(rank, world, shapes, rounds, ns_dtype):
@@ -60,7 +61,8 @@ def _worker(rank, world, shapes, rounds, ns_dtype):
     summary = opts["auto"][1].summary()
     teams = [(m.shape, m.team) for m in summary.matrices if m.team]
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(opts["auto"][0], opts["locality"][0]))
-    return times, teams, diff
+    per_rank = {k: statistics.median(t[2] for t in v) for k, v in times.items()}
+    return times, teams, diff, per_rank
 
 
 def main():
@@ -74,7 +76,10 @@ def main():
     dtype = getattr(torch, args.dtype)
     rows = []
     for world in args.worlds:
-        times, teams, diff = dist_harness.run(_worker, world, [LARGE] + SMALL, args.rounds, dtype, timeout=900)[0]
+        out = dist_harness.run(_worker, world, [LARGE] + SMALL, args.rounds, dtype, timeout=900)
+        times, teams, diff, _ = out[0]
+        print(f"W={world}: CPU ms per rank (auto | locality):",
+              " ".join(f"{o[3]['auto'] * 1e3:.0f}|{o[3]['locality'] * 1e3:.0f}" for o in out))
         auto, loc = times["auto"], times["locality"]
         wall = statistics.median(a[0] / b[0] for a, b in zip(auto, loc))
         cpu = statistics.median(a[1] / b[1] for a, b in zip(auto, loc))

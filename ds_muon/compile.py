@@ -23,7 +23,7 @@ from .layout import Layout
 from .offload import HostNS, exchange_device, host_state
 from .newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients, resolve_method)
-from .planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, replica_groups
+from .planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, rebalance_homes, replica_groups
 from .team import TeamExchange, TeamGroups, TeamNS
 
 
@@ -225,9 +225,10 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             homes = dict(zip(idx, planned))
             if team_ns and planner == "auto" and not offloaded and _spans_world(layout):
                 eligible = [team_eligible(layout, i, ns_at[i], device) for i in idx]
-                teams = {idx[p]: hs for p, hs in plan_teams(tasks, layout.world_size, planned, cost_model,
-                                                             eligible).items()}
-                if teams:
+                at = plan_teams(tasks, layout.world_size, planned, cost_model, eligible)
+                teams = {idx[p]: hs for p, hs in at.items()}
+                if teams:  # the other matrices' homes, balanced around the teams
+                    homes = dict(zip(idx, rebalance_homes(tasks, layout.world_size, planned, at, cost_model)))
                     compiled.append(_team_exchange(layout, teams, ns_at, gdt, sdt, device, group, team_groups))
                     idx = [i for i in idx if i not in teams]
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .planner import (CostModel, MatrixTask, _Costs, gather_traffic, host_traffic, pair_traffic, plan_homes,
-                      plan_multi_homes, plan_teams, replica_groups, team_member_flops, team_seconds, team_traffic,
+                      plan_multi_homes, plan_teams, rebalance_homes, replica_groups, team_member_flops, team_seconds, team_traffic,
                       team_widths)
 
 SHARDED = ("locality", "lpt", "round_robin")
@@ -206,7 +206,7 @@ def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> S
 
 def team_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> Tuple[StrategyCost, dict]:
     """The optimizer's default (``planner="auto"``, ``team_ns=True``): :func:`multi_home_cost`'s homes,
-    then :func:`~ds_muon.planner.plan_teams`.  Team members count their share of the NS, the bytes
+    then :func:`~ds_muon.planner.plan_teams` and :func:`~ds_muon.planner.rebalance_homes`.  Team members count their share of the NS, the bytes
     of their blocks (:func:`~ds_muon.planner.team_traffic`) and of the ring all_reduces; seconds
     are the planner's own (:func:`~ds_muon.planner.team_seconds` beside one home's).  Also returns
     the row's extra columns."""
@@ -214,10 +214,11 @@ def team_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> Tuple[S
              for t in tasks]
     homes = plan_multi_homes(tasks, world, cm, "auto")
     teams = plan_teams(tasks, world, homes, cm)
+    alone, homes = homes, rebalance_homes(tasks, world, homes, teams, cm)
     ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
     costs = _Costs(tasks, world, cm)
     seconds, one_home = [0.0] * world, np.zeros(world)  # the planner's seconds, with and without teams
-    for i, hs in enumerate(homes):
+    for i, hs in enumerate(alone):
         one_home += costs(i, tuple(hs))
     for i, (t, hs) in enumerate(zip(tasks, homes)):
         if i in teams:

@@ -70,11 +70,12 @@ class CostModel:
         plans with.  An accelerator: the class defaults.  A CPU: 0.5 TFLOP/s (bf16 NS on one
         core of the project's 2-core box, ``benchmarks/ns_roofline.py``) and 1.5 GB/s per rank
         (a gloo all_to_all of 8 MB per peer on loopback: 1.1–1.8 GB/s, ``benchmarks/a2a_scale.py
-        --worlds 2 --elems 2097152``), so about 330 FLOPs cost one byte
+        --worlds 2 --elems 2097152``), and 1 ms per ring step of an all_reduce (gloo on loopback, this
+        box loaded: 16 MB in fp32 at W=2 took 19 ms; team NS, ``benchmarks/team_ns.py``), so about 330 FLOPs cost one byte
         instead of 8000: on a CPU, NS imbalance costs more than moving a matrix to balance it.
         Both are a function of the device type alone, the same on every rank."""
         if device_type == "cpu":
-            return cls(flops_per_s=0.5e12, bytes_per_s=1.5e9, intra_bytes_per_s=1.5e9, allreduce_hop_s=50e-6)
+            return cls(flops_per_s=0.5e12, bytes_per_s=1.5e9, intra_bytes_per_s=1.5e9, allreduce_hop_s=1e-3)
         return cls()
 
     def allreduce_seconds(self, ranks: Sequence[int], nbytes: float) -> float:
@@ -732,3 +733,42 @@ def plan_teams(tasks: Sequence[MatrixTask], world_size: int, homes: Sequence[Tup
     # relieving equally slow ranks one by one may stall before the step gets shorter: keep the best prefix
     best_step, keep = min(steps, key=lambda s: (s[0], s[1]))
     return dict(list(teams.items())[:keep]) if best_step < steps[0][0] * (1 - 1e-9) else {}
+
+
+def rebalance_homes(tasks: Sequence[MatrixTask], world_size: int, homes: Sequence[Tuple[int, ...]],
+                    teams: Dict[int, Tuple[int, ...]], cost_model: Optional[CostModel] = None) -> List[Tuple[int, ...]]:
+    """One-home matrices moved off the slowest rank once ``teams`` have loaded their members: while it
+    shortens the modelled step, move one matrix whose only home is the slowest rank to the least-loaded
+    rank or one of its holders (where the matrix's NS and bytes keep every rank they touch below the
+    slowest).  Only homes move: a one-home NS is the same bits wherever it runs.  Deterministic."""
+    cm = cost_model or CostModel()
+    homes = [tuple(h) for h in homes]
+    if not teams or world_size < 2:
+        return homes
+    tasks = [t if len(t.held) == world_size else dataclasses.replace(
+        t, held=tuple(t.held) + (0,) * (world_size - len(t.held))) for t in tasks]
+    costs = _Costs(tasks, world_size, cm)
+    part = [team_seconds(tasks[i], teams[i], cm) if i in teams else costs(i, hs) for i, hs in enumerate(homes)]
+    t_rank = np.zeros(world_size)
+    for p in part:
+        t_rank += p
+    for _ in range(2 * len(tasks)):
+        b = int(np.argmax(t_rank))
+        limit = float(t_rank[b])
+        idle = int(np.argmin(t_rank))
+        best = None
+        for i, hs in enumerate(homes):
+            if i in teams or hs != (b,):
+                continue
+            for h in sorted({idle, *np.flatnonzero(costs.held[i]).tolist()} - {b}):
+                new = costs(i, (h,))
+                touched = (new != 0) | (part[i] != 0)
+                worst = float((t_rank - part[i] + new)[touched].max())
+                if worst < limit * (1 - 1e-9) and (best is None or worst < best[0]):
+                    best = (worst, i, h, new)
+        if best is None:
+            break
+        _, i, h, new = best
+        t_rank += new - part[i]
+        homes[i], part[i] = (h,), new
+    return homes

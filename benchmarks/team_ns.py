@@ -65,11 +65,40 @@ def _worker(rank, world, shapes, rounds, ns_dtype):
     return times, teams, diff, per_rank
 
 
+ACCURACY_SHAPES = [(512, 512), (256, 1024), (1024, 256), (96, 200)]  # docs/PERFORMANCE.md also ran 2048x2048
+
+
+def _accuracy_worker(rank, world, shapes):
+    """team_newton_schulz over the world against newton_schulz at one home and in float64."""
+    from ds_muon.compile import NSSettings
+    from ds_muon.newton_schulz import newton_schulz
+    from ds_muon.team import team_bounds, team_newton_schulz
+
+    out = []
+    for shape in shapes:
+        G = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0] * 7 + shape[1]))
+        exact = newton_schulz(G, dtype=torch.float64)
+        tall = shape[0] > shape[1]
+        c0, c1 = team_bounds(*shape, world)[rank]
+        for dtype in (torch.float32, torch.bfloat16):
+            block = (G[c0:c1] if tall else G[:, c0:c1]).contiguous()
+            mine = team_newton_schulz(block, tall, NSSettings(5, "keller", dtype, 1e-7, "standard"), None)
+            parts = [None] * world
+            dist.all_gather_object(parts, mine.float())
+            team = torch.cat(parts, 0 if tall else 1).double()
+            home = newton_schulz(G, dtype=dtype).double()
+            e = lambda t: float((t - exact).norm() / exact.norm())  # noqa: E731
+            out.append((shape, str(dtype).split(".")[1], world, e(home), e(team), e(team) / e(home),
+                        float((team - home).norm() / home.norm())))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--accuracy", action="store_true", help="also: team NS against one home and float64")
     args = ap.parse_args()
     header(f"Team NS vs one home: {LARGE[0]}x{LARGE[1]} beside {len(SMALL)} small matrices, DDP-like, gloo, "
            f"{args.dtype} NS")
@@ -89,6 +118,12 @@ def main():
     table(("W", "teams (auto)", "auto step ms", "locality step ms", "auto/locality wall (median of ratios)",
            "auto/locality CPU", "max rel. param diff"), rows)
     print(f"{args.rounds} interleaved rounds per W; step = slowest rank; CPU = process_time of the slowest rank.")
+    if args.accuracy:
+        print()
+        acc = [r for world in args.worlds for r in dist_harness.run(_accuracy_worker, world, ACCURACY_SHAPES)[0]]
+        table(("shape", "NS dtype", "team of", "one home vs f64", "team vs f64", "ratio", "team vs one home"),
+              [("x".join(map(str, r[0])), *r[1:]) for r in acc])
+        print("relative Frobenius errors of the orthogonalized matrix; f64 = the same 5 Keller steps in float64.")
 
 
 if __name__ == "__main__":

@@ -145,7 +145,18 @@ def _worker(rank, world, configs):
         pos += m.numel()
     lo, hi = _cuts(pos, world)[rank]
     out = []
-    for ns_dtype, team_ns in configs:
+    for ns_dtype, team_ns, layout in configs:
+        if layout == "replicated":  # DDP-like: every rank holds every matrix whole (the default adapter)
+            params = [nn.Parameter(m.clone()) for m in mats]
+            opt = ds_muon.Muon([{"params": params, "param_names": [f"m{i}" for i in range(len(mats))]}],
+                               team_ns=team_ns, **_opts(ns_dtype))
+            for p, g in zip(params, _grads()):
+                p.grad = g
+            opt.step()
+            summary = opt.summary()
+            teams = {m.key: m.homes for m in summary.matrices if m.team}
+            out.append(((0, pos), torch.cat([p.detach().reshape(-1) for p in params]), teams, str(summary)))
+            continue
         local = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())
         local._ds_muon_flat = True
 
@@ -168,7 +179,9 @@ def _sharded(world, configs):
     results = []
     for c in range(len(configs)):
         out = [r[c] for r in per_rank]
-        full = torch.empty(sum(hi - lo for (lo, hi), *_ in out))
+        if configs[c][2] == "replicated":  # every rank holds the whole result: they must agree
+            assert all(torch.equal(o[1], out[0][1]) for o in out), "replicas differ"
+        full = torch.empty(max(hi for (lo, hi), *_ in out))
         for (lo, hi), piece, _, _ in out:
             full[lo:hi] = piece
         assert all(o[2] == out[0][2] for o in out), "ranks disagree on the teams"
@@ -192,22 +205,39 @@ def test_team_step_within_the_bound_of_one_home_and_float64(world):
         spans.append((at, at + n))
         at += n
     dtypes = (torch.float32, torch.bfloat16) if world == 2 else (torch.bfloat16,)
-    configs = [(d, True) for d in dtypes] + ([(torch.bfloat16, False)] if world == 2 else [])
+    configs = [(d, True, "flat") for d in dtypes]
+    if world == 2:
+        configs += [(torch.bfloat16, False, "flat"), (torch.bfloat16, True, "replicated")]
     results = _sharded(world, configs)
-    for (dtype, team_ns), (team, teams, text) in zip(configs, results):
+    for (dtype, team_ns, layout), (team, teams, text) in zip(configs, results):
         home = _reference(dtype) - p0
         team = team - p0
         if not team_ns:
             assert teams == {} and "team of" not in text and torch.equal(team, home)
             continue
-        assert "m0" in teams and (world != 2 or "m2" in teams), teams  # the large wide (and tall) matrix
+        assert "m0" in teams and (world != 2 or "m2" in teams), (teams, layout)  # the large wide (and tall) one
         assert all(len(t) >= 2 for t in teams.values())
         assert "team of" in text and "Team NS" in text
         for k, (a, z) in enumerate(spans):
-            if f"m{k}" not in teams:  # one home: bitwise as today
-                assert torch.equal(team[a:z], home[a:z]), k
+            if f"m{k}" not in teams:  # not a team: bitwise as today
+                assert torch.equal(team[a:z], home[a:z]), (k, layout)
                 continue
             e_home = _rel(home[a:z], exact[a:z])
             e_team = _rel(team[a:z], exact[a:z])
             assert _rel(team[a:z], home[a:z]) <= BOUND[dtype], (k, dtype, e_home, e_team)
             assert e_team <= 2 * e_home, (k, dtype, e_team, e_home)
+
+
+def test_team_ns_setting_is_checked_carried_and_in_the_plan_table():
+    from ds_muon import costs
+
+    p = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(TypeError, match="team_ns"):
+        ds_muon.Muon([p], team_ns="yes")
+    import copy
+    assert copy.deepcopy(ds_muon.Muon([p], team_ns=False)).team_ns is False
+    # the "team" row of ds-muon plan: one large matrix beside small ones at W=4 (CPU rates)
+    tasks = _tasks([(2048, 2048)] + [(256, 256)] * 3, 4)
+    rows = {r["strategy"]: r for r in costs.compare(tasks, 4, CostModel.for_device("cpu"), ["auto", "team"])}
+    assert rows["team"]["teams"] == 1 and rows["team"]["max_team"] >= 2 and rows["team"]["vs_auto"] > 1
+    assert rows["team"]["modelled_step_ms"] < rows["auto"]["modelled_step_ms"]

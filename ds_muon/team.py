@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .layout import Layout, Piece
 from .newton_schulz import input_dtype, resolve_coefficients
+from .timeouts import new_group_like
 
 
 def team_bounds(rows: int, cols: int, k: int) -> List[Tuple[int, int]]:
@@ -83,20 +84,12 @@ def segments(piece: Piece, rows: int, cols: int, c0: int, c1: int) -> List[Segme
     return out
 
 
-def group_timeout(group) -> Optional[object]:
-    """The timeout of ``group`` (a team's group inherits it), or None when torch does not say."""
-    try:
-        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        return group._get_backend(device).options._timeout
-    except Exception:  # noqa: BLE001 - private API: fall back to new_group's default
-        return None
-
-
 class TeamGroups:
     """Process groups of the teams, one per member set, made once and kept (like
     :class:`~ds_muon.compile.ExchangeGroups`).  ``dist.new_group`` is collective over the world, so
     :meth:`make` is only called for layouts spanning the world (every rank compiles the same plan at
-    the same step) and in one sorted order; a group gets the timeout of the layout's group."""
+    the same step) and in one sorted order; a group gets the timeout of the layout's group
+    (:func:`~ds_muon.timeouts.new_group_like`)."""
 
     def __init__(self):
         self._made: Dict[Tuple[int, ...], object] = {}
@@ -104,9 +97,7 @@ class TeamGroups:
     def make(self, member_sets: Sequence[Tuple[int, ...]], parent) -> None:
         for ranks in sorted(set(member_sets)):
             if ranks not in self._made:
-                timeout = group_timeout(parent)
-                kw = {"timeout": timeout} if timeout is not None else {}
-                self._made[ranks] = dist.new_group(list(ranks), backend=dist.get_backend(parent), **kw)
+                self._made[ranks] = new_group_like(list(ranks), dist.get_backend(parent), parent)
 
     def get(self, ranks: Tuple[int, ...]):
         return self._made.get(ranks)

@@ -26,7 +26,7 @@ with the same ``gather_start / gather_finish / scatter_start / scatter_finish`` 
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.distributed as dist

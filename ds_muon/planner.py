@@ -685,14 +685,28 @@ def plan_teams(tasks: Sequence[MatrixTask], world_size: int, homes: Sequence[Tup
     rank and the k-1 least-loaded others (anywhere, or, with ``ranks_per_node``, in its node), k in ``sizes``, costed by :func:`team_seconds` against its
     one home (:func:`rank_seconds`), kept when every rank it touches ends below the slowest rank's
     time (so equally slow ranks are relieved one by one); of the teams found, the first ones up to the
-    shortest modelled step are returned (none if it is not shorter than without teams).  ``eligible[i]`` False keeps matrix i at its home.  A pure
-    function of its inputs: every rank gets the same teams."""
+    shortest modelled step are kept (none if it is not shorter than without teams).  That greedy runs
+    with every size of ``sizes`` and with each size alone; the shortest modelled step wins.
+    ``eligible[i]`` False keeps matrix i at its home.  A pure function of its inputs: every rank gets
+    the same teams."""
     cm = cost_model or CostModel()
     if world_size < 2 or not tasks:
         return {}
     tasks = [t if len(t.held) == world_size else dataclasses.replace(
         t, held=tuple(t.held) + (0,) * (world_size - len(t.held))) for t in tasks]
     costs = _Costs(tasks, world_size, cm)
+    # the greedy over every size, and over each size alone (a large first team can take the idle ranks
+    # later teams needed): the plan with the shortest modelled step wins; ties: the earlier
+    best = None
+    for allowed in [tuple(sizes)] + [(k,) for k in sizes if k <= world_size] if len(sizes) > 1 else [tuple(sizes)]:
+        teams, step = _greedy_teams(tasks, world_size, homes, cm, costs, eligible, allowed)
+        if best is None or step < best[1] * (1 - 1e-9):
+            best = (teams, step)
+    return best[0]
+
+
+def _greedy_teams(tasks, world_size, homes, cm, costs, eligible, sizes) -> Tuple[Dict[int, Tuple[int, ...]], float]:
+    """:func:`plan_teams`'s greedy with team sizes ``sizes``: the teams and the modelled step."""
     part = [costs(i, tuple(hs)) for i, hs in enumerate(homes)]
     t_rank = np.zeros(world_size)
     for p in part:
@@ -732,7 +746,9 @@ def plan_teams(tasks: Sequence[MatrixTask], world_size: int, homes: Sequence[Tup
         steps.append((float(t_rank.max()), len(teams)))
     # relieving equally slow ranks one by one may stall before the step gets shorter: keep the best prefix
     best_step, keep = min(steps, key=lambda s: (s[0], s[1]))
-    return dict(list(teams.items())[:keep]) if best_step < steps[0][0] * (1 - 1e-9) else {}
+    if best_step < steps[0][0] * (1 - 1e-9):
+        return dict(list(teams.items())[:keep]), best_step
+    return {}, steps[0][0]
 
 
 def rebalance_homes(tasks: Sequence[MatrixTask], world_size: int, homes: Sequence[Tuple[int, ...]],

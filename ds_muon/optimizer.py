@@ -147,8 +147,6 @@ class Muon(Optimizer):
         self.model = model
         self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
-        if not isinstance(team_ns, bool):
-            raise TypeError(f"ds_muon: team_ns={team_ns!r} must be True or False")
         self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.team)
         self.cost_model = cost_model  # None: CostModel.for_device of where NS runs (planning_cost_model)
         self.adam_betas = tuple(adam_betas)

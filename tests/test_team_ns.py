@@ -232,7 +232,7 @@ def test_team_ns_setting_is_checked_carried_and_in_the_plan_table():
     from ds_muon import costs
 
     p = nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(TypeError, match="team_ns"):
+    with pytest.raises(ValueError, match="team_ns"):  # the keyword booleans' check (ds_muon.groups)
         ds_muon.Muon([p], team_ns="yes")
     import copy
     assert copy.deepcopy(ds_muon.Muon([p], team_ns=False)).team_ns is False

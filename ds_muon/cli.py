@@ -160,11 +160,11 @@ def mesh_table(shapes, meshes: Sequence[str], cm: CostModel, ns_steps: int = 5) 
 
 
 def _print_table(rows: List[dict]) -> None:
-    cols = list(rows[0].keys())
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # the "team" row adds its own columns
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" for _ in cols) + "|")
     for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
 
 
 def cmd_plan(args) -> int:
@@ -224,6 +224,16 @@ def cmd_shapes(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from . import convert as cv
+
+    settings = cv._settings_from(args.set or []) or None
+    out = cv.convert(args.src, args.dst, cv.load_factory(args.model), to=args.to, source=args.source,
+                     settings=settings, config=args.config, fresh=args.fresh)
+    print(json.dumps({"converted": os.fspath(args.src), "to": args.to, "out": os.fspath(out)}))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="ds-muon", description="ds_muon tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -264,6 +274,21 @@ def main(argv=None) -> int:
     s.add_argument("--hf-config", required=True)
     s.add_argument("--description", help="what the preset is (stored as its source)")
     s.set_defaults(fn=cmd_shapes)
+    c = sub.add_parser("convert", help="move optimizer state between DeepSpeed ZeRO/universal, DCP and torch "
+                                       "checkpoints by tensor name, in ds_muon's groups (docs/CHECKPOINTS.md)")
+    c.add_argument("src", help="a DeepSpeed checkpoint folder (ZeRO or universal), a DCP folder or a torch file")
+    c.add_argument("dst", help="the folder (universal, dcp) or file (torch) to write")
+    c.add_argument("--model", required=True, help="MODULE:CALLABLE building the model on the CPU (ds_muon's groups "
+                                                  "come from muon_param_groups of it)")
+    c.add_argument("--to", choices=["universal", "dcp", "torch"], default="universal",
+                   help="universal: DeepSpeed ZeRO-1/2/3 at any world size (load_universal); dcp: FSDP2 at any "
+                        "world size; torch: one file {model, optim}")
+    c.add_argument("--source", choices=["auto", "deepspeed", "universal", "dcp", "torch"], default="auto")
+    c.add_argument("--config", help="the DeepSpeed JSON the run resumes with (its DsMuon params set the groups)")
+    c.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="muon_param_groups / Muon settings (lr=0.02 ...)")
+    c.add_argument("--fresh", action="store_true",
+                   help="start at zero the state of tensors the source stepped with the other algorithm")
+    c.set_defaults(fn=cmd_convert)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from .agreement import Agreement, settings_of
+from .agreement import Agreement, LocalFailure, settings_of
 from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
 from .identity import next_ordinal
@@ -52,6 +52,7 @@ from .pieces import WavePieces
 from .state_check import check_loaded_state, check_state
 from .summary import Summary, log_first_step, summarize
 from .tags import restore_tags
+from .team import TeamGroups
 from .planner import STRATEGIES, CostModel
 
 MODES = ("sharded", "duplicated")
@@ -87,7 +88,10 @@ class Muon(Optimizer):
     is attached after ``deepspeed.initialize`` (:meth:`attach`).
     ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.planner`): ``"auto"`` (default)
     gives replicated matrices (DDP, HSDP replica groups) extra homes where the cost model says
-    running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise.
+    running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise;
+    with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
+    ranks, each orthogonalizing a column block (:mod:`~ds_muon.team`; not bitwise equal to one
+    process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """
@@ -116,6 +120,7 @@ class Muon(Optimizer):
         comm_dtype=None,
         planner: str = "auto",
         cost_model: Optional[CostModel] = None,
+        team_ns: bool = True,
         overlap: bool = False,
         waves: int = 4,
         dispatch_in_backward: bool = True,
@@ -142,6 +147,7 @@ class Muon(Optimizer):
         self.model = model
         self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
+        self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.team)
         self.cost_model = cost_model  # None: CostModel.for_device of where NS runs (planning_cost_model)
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
@@ -172,6 +178,7 @@ class Muon(Optimizer):
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges = ExchangeCache()
         self._exchange_groups = ExchangeGroups()  # the exchange's own process groups, kept across re-sharding
+        self._team_groups = TeamGroups()  # team NS's process groups (one per member set), kept likewise
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
         self._pieces: "weakref.WeakKeyDictionary[Exchange, WavePieces]" = weakref.WeakKeyDictionary()
@@ -199,7 +206,8 @@ class Muon(Optimizer):
         return self.overlap_settings.apply_in_forward
 
     # -- copies, pickling and loading --------------------------------------------
-    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",
+    team_ns = True  # (an optimizer pickled before team NS existed reads the default)
+    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner", "team_ns",
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips", "log_summary")
     _NOT_CARRIED = ("model", "process_group")
 
@@ -378,23 +386,26 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, g in enumerate(self.param_groups):
-            check_settings(g, gi)
+        # a check that fails here on one rank only is carried to the agreement (LocalFailure), so
+        # every rank raises, instead of the others waiting in its all_reduce
+        failed = LocalFailure.catch(lambda: [check_settings(g, gi) for gi, g in enumerate(self.param_groups)])
         if self._not_carried:
             self._check_not_carried()
         self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
-        check_state(self.param_groups, self.state, self._name)  # every state tensor fits, before any write
+        failed = failed or LocalFailure.catch(  # every state tensor fits, before any write
+            lambda: check_state(self.param_groups, self.state, self._name))
         self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
-        loss = self._stages(loss)
+        loss = self._stages(loss, failed)
         if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
             self._summary_logged = log_first_step(self)
         return loss
 
-    def _stages(self, loss):
-        """The stages of :meth:`step`, in order (see the module docstring)."""
-        active = self._check()  # 1. which tensors step, agreed by every rank
+    def _stages(self, loss, failed=None):
+        """The stages of :meth:`step`, in order (see the module docstring); ``failed``: this
+        rank's failed local check (:class:`~ds_muon.agreement.LocalFailure`), raised in stage 1."""
+        active = self._check(failed)  # 1. which tensors step, agreed by every rank
         if active is None:
             return loss
         work = self._active_matrices(active)  # 3. layouts: each one's matrices that step
@@ -458,13 +469,13 @@ class Muon(Optimizer):
         """The group the step's collectives run in, and its size (see :meth:`Agreement.group`)."""
         return self._agreement.group(self.process_group, self.param_groups, self._binding_sig)
 
-    def _check_gradients(self) -> Optional[set]:
+    def _check_gradients(self, failed=None) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes
         (:class:`~ds_muon.agreement.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._step_group()
         verdict = self._agreement.check(items, self._name, group, world,
-                                        settings_of(self) if world > 1 else None, self._dispatch)
+                                        settings_of(self) if world > 1 else None, self._dispatch, failed)
         if verdict.nonfinite:
             name = verdict.nonfinite[0]
             if self.nonfinite == "raise":
@@ -529,11 +540,11 @@ class Muon(Optimizer):
             maximize=False,
         )
 
-    def _check(self) -> Optional[set]:
+    def _check(self, failed=None) -> Optional[set]:
         """Stage 1: the agreement (:meth:`_check_gradients`); early gathers are waited out
         when the step raises or is skipped."""
         try:
-            active = self._check_gradients()
+            active = self._check_gradients(failed)
         except BaseException:
             self._drain_early()
             raise
@@ -569,7 +580,8 @@ class Muon(Optimizer):
                 layout, todo, self._muon_groups(), mode=self.mode, planner=self.planner,
                 cost_model=self.planning_cost_model(),
                 comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group),
-                offload=bool(getattr(self.adapter, "offload", False))))
+                offload=bool(getattr(self.adapter, "offload", False)),
+                team_ns=self.team_ns, team_groups=self._team_groups))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 

@@ -50,7 +50,9 @@ def check_loaded_state(groups: List[dict], state_dict: Mapping, name: Callable[[
                 raise ValueError(
                     f"ds_muon: loaded state of {name(gi, pi)}: {key!r} has shape {tuple(v.shape)} but the parameter "
                     f"has shape {tuple(p.shape)}; nothing was loaded. The state dict comes from another model or "
-                    "another order of tensors: load it into the optimizer of the model it was saved from")
+                    "another order of tensors: load it into the optimizer of the model it was saved from (state of "
+                    "another optimizer or layout comes over by tensor name with ds_muon.convert / `ds-muon convert`, "
+                    "docs/CHECKPOINTS.md)")
             if not v.is_floating_point() or v.is_complex():
                 raise ValueError(
                     f"ds_muon: loaded state of {name(gi, pi)}: {key!r} is {v.dtype}, not a real floating-point "

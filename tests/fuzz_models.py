@@ -372,6 +372,9 @@ def draw_stack(rng: random.Random, kind: str, world: int, units: int) -> Stack:
     if kind == "fsdp1":
         return Stack(kind, world, (("use_orig_params", rng.random() < 0.5), ("nested", rng.random() < 0.6)))
     if kind == "zero":
+        # no ZeRO-3: DeepSpeed 0.19.8's stage 3 set-up of these models hung (one rank in
+        # stage3's defragment, the other at its barrier: seed 0 case 6 at W=2, run alone) and
+        # asserted on zero-size tensors; left out until that is understood
         return Stack(kind, world, (("stage", rng.choice((1, 2, 2))),))
     return Stack(kind, world)
 
@@ -396,12 +399,14 @@ def fit_to_stack(case: Case) -> Case:
             stack = replace(stack, options=tuple((k, True if k == "use_orig_params" else v) for k, v in stack.options))
             notes.append("use_orig_params=True: frozen tensors")
     model = case.model
-    if stack.kind == "fsdp2" and any(0 in leaf.dims for leaf in leaves):
+    if stack.kind in ("fsdp2", "zero") and any(0 in leaf.dims for leaf in leaves):
         # torch 2.13's FSDP2 fails the backward of any fully_shard group holding a zero-element
-        # parameter ("_chunk_cat expects non-empty tensor", no ds_muon involved): sizes 0 become 1
+        # parameter ("_chunk_cat expects non-empty tensor", no ds_muon involved); DeepSpeed
+        # 0.19.8's ZeRO-1/2 optimizer raises IndexError while it is built (before ds_muon binds
+        # it) when a param group holds only zero-element tensors: sizes 0 become 1 there
         model = ModelSpec(tuple(tuple(replace(leaf, dims=tuple(d or 1 for d in leaf.dims)) for leaf in unit)
                                 for unit in model.units))
-        notes.append("no zero-size tensors: FSDP2")
+        notes.append(f"no zero-size tensors: {stack.kind}")
     return replace(case, model=model, stack=stack, notes=tuple(notes))
 
 

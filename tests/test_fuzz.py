@@ -42,6 +42,7 @@ try:
 except Exception:  # noqa: BLE001 - any import failure means: no ZeRO cases
     HAVE_DEEPSPEED = False
 SPAWNS = {2: ["fsdp2", "ddp", "fsdp1", "zero"], 3: ["fsdp2", "fsdp1", "zero", "ddp"]}
+ONLY = [k for k in os.environ.get("DS_MUON_FUZZ_STACKS", "").split(",") if k]  # e.g. "zero,fsdp1": only these
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -148,7 +149,9 @@ def test_fuzz_reference_equals_torch_optim():
 
 @pytest.mark.parametrize("world", sorted(SPAWNS))
 def test_fuzz_stacks(world, tmp_path):
-    kinds = [k for k in SPAWNS[world] if k != "zero" or HAVE_DEEPSPEED]
+    kinds = [k for k in SPAWNS[world] if (k != "zero" or HAVE_DEEPSPEED) and (not ONLY or k in ONLY)]
+    if not kinds:
+        pytest.skip(f"no stack of {SPAWNS[world]} in DS_MUON_FUZZ_STACKS={','.join(ONLY)}")
     plan = [(i, kinds[i % len(kinds)]) for i in range(CASES)]
     indices, case_kinds = [i for i, _ in plan], [k for _, k in plan]
     try:

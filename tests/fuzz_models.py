@@ -86,7 +86,10 @@ class FuzzUnit(nn.Module):
     def forward(self, grads):
         total = None
         for name in self.order:
-            term = getattr(self, name)(grads)
+            leaf = getattr(self, name)
+            if f"{leaf.usage}.{leaf.probe_names[0]}" not in grads:  # absent this step (Case.absent)
+                continue
+            term = leaf(grads)
             total = term if total is None else total + term
         return total
 
@@ -102,7 +105,8 @@ class FuzzNet(nn.Module):
         total = None
         for unit in self.units:
             term = unit(grads)
-            total = term if total is None else total + term
+            if term is not None:
+                total = term if total is None else total + term
         return total
 
 
@@ -260,14 +264,26 @@ class Case:
     steps: int = 3
     roundtrip_after: int = 2  # opt.load_state_dict(deepcopy(opt.state_dict())) after this many steps
     notes: Tuple[str, ...] = field(default=())
+    # a second Muon group: every other Muon tensor moves there, with these settings
+    second_group: Tuple[Tuple[str, object], ...] = ()
+    # (step, unit): that unit is not run at that step, so its tensors have no gradient (on every rank)
+    absent: Tuple[Tuple[int, int], ...] = ()
+
+    def grads(self, shapes: Dict[str, Tuple[int, ...]], step: int) -> Dict[str, torch.Tensor]:
+        """The forward's input at ``step`` (absent units left out)."""
+        gone = tuple(f"units.{u}." for t, u in self.absent if t == step)
+        return {k: v for k, v in step_grads(shapes, self.model_seed, step).items() if not k.startswith(gone)}
 
     @property
     def model_seed(self) -> int:
         return self.seed * 7919 + self.index
 
     def describe(self) -> str:
+        extra = "".join(f"\n  {k}: {v}" for k, v in (("second Muon group", dict(self.second_group)),
+                                                        ("absent (step, unit)", self.absent),
+                                                        ("notes", self.notes)) if v)
         return (f"case {self.index} (seed {self.seed}) on {self.stack.describe()}\n"
-                f"  model: {self.model.describe()}\n  settings: {self.settings.describe()}")
+                f"  model: {self.model.describe()}\n  settings: {self.settings.describe()}{extra}")
 
 
 # -- drawing --------------------------------------------------------------------------------------
@@ -386,7 +402,15 @@ def draw_case(seed: int, index: int, kind: str, world: int) -> Case:
     model = draw_model(rng, plain)
     stack = draw_stack(rng, kind, world, len(model.units))
     settings = draw_settings(rng, stack)
-    return fit_to_stack(Case(seed, index, model, settings, stack))
+    second = ()
+    if rng.random() < 0.3:
+        second = (("lr", rng.choice((0.01, 0.03))), ("momentum", rng.choice((0.0, 0.8))),
+                  ("nesterov", rng.random() < 0.5), ("ns_steps", rng.randint(1, 6)),
+                  ("weight_decay", rng.choice((0.0, 0.05))), ("ns_dtype", rng.choice(("float32", "bfloat16"))))
+    absent = ()
+    if rng.random() < 0.3:  # never unit 0 (it holds the case's one sure Muon matrix): every step has a loss
+        absent = tuple((t, u) for t in range(3) for u in range(1, len(model.units)) if rng.random() < 0.3)
+    return fit_to_stack(Case(seed, index, model, settings, stack, second_group=second, absent=absent))
 
 
 def fit_to_stack(case: Case) -> Case:
@@ -394,10 +418,30 @@ def fit_to_stack(case: Case) -> Case:
     stack, notes = case.stack, list(case.notes)
     leaves = [leaf for unit in case.model.units for leaf in unit]
     if stack.kind == "fsdp1" and not stack.option("use_orig_params"):
-        # a FlatParameter mixes frozen and trainable tensors only with use_orig_params=True (torch's rule)
-        if any(leaf.frozen for leaf in leaves):
+        # a FlatParameter mixes frozen and trainable tensors only with use_orig_params=True (torch's
+        # rule); expert_weight tags are invisible through flat parameters (docs/ADVANCED.md, "What
+        # each stack supports": muon_param_groups then refuses the 3-D tensor)
+        why = [w for w, hit in (("frozen tensors", any(leaf.frozen for leaf in leaves)),
+                                ("expert stacks", any(leaf.kind == "experts" for leaf in leaves))) if hit]
+        if why:
             stack = replace(stack, options=tuple((k, True if k == "use_orig_params" else v) for k, v in stack.options))
-            notes.append("use_orig_params=True: frozen tensors")
+            notes.append("use_orig_params=True: " + ", ".join(why))
+    second, absent = case.second_group, case.absent
+    if second and stack.kind == "fsdp1" and not stack.option("use_orig_params"):
+        second = ()  # a FlatParameter is one tensor of one group: no per-tensor groups
+        notes.append("one Muon group: FSDP1 flat parameters")
+    if stack.kind == "torch":
+        second = ()  # run_torch builds one torch.optim.Muon with the case's settings
+    if absent:
+        # a tensor without a gradient is None in ds_muon's one-process reference; a stack gives the
+        # same only where it owns whole units: FSDP2 units with their own fully_shard, FSDP1's nested
+        # units (DDP and ZeRO fill zeros, a different optimizer input by their own design)
+        if stack.kind == "fsdp2":
+            absent = tuple((t, u) for t, u in absent if u in stack.option("wrap_units", ()))
+        elif stack.kind == "fsdp1" and not stack.option("nested"):
+            absent = ()
+        elif stack.kind not in ("single", "fsdp2", "fsdp1", "torch"):
+            absent = ()
     model = case.model
     if stack.kind in ("fsdp2", "zero") and any(0 in leaf.dims for leaf in leaves):
         # torch 2.13's FSDP2 fails the backward of any fully_shard group holding a zero-element
@@ -407,7 +451,7 @@ def fit_to_stack(case: Case) -> Case:
         model = ModelSpec(tuple(tuple(replace(leaf, dims=tuple(d or 1 for d in leaf.dims)) for leaf in unit)
                                 for unit in model.units))
         notes.append(f"no zero-size tensors: {stack.kind}")
-    return replace(case, model=model, stack=stack, notes=tuple(notes))
+    return replace(case, model=model, stack=stack, notes=tuple(notes), second_group=second, absent=absent)
 
 
 def torch_comparable(case: Case) -> Optional[str]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import ds_muon
 import dist_harness
-from fuzz_models import Case, FuzzUnit, build_model, step_grads, tag_experts, usages
+from fuzz_models import Case, FuzzUnit, build_model, tag_experts, usages
 
 ZERO_ENV = {"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1"}
 
@@ -56,7 +56,15 @@ def _muon(case: Case, groups, model=None, reference=False) -> ds_muon.Muon:
 
 
 def _groups(case: Case, model):
-    return ds_muon.muon_param_groups(model, **case.settings.group_kwargs())
+    groups = ds_muon.muon_param_groups(model, **case.settings.group_kwargs())
+    if not case.second_group:
+        return groups
+    muon = groups[0]
+    n = len(muon["params"])
+    second = {k: (v[1::2] if isinstance(v, list) and len(v) == n else v) for k, v in muon.items()}
+    first = {k: (v[0::2] if isinstance(v, list) and len(v) == n else v) for k, v in muon.items()}
+    second.update(case.second_group)
+    return [first] + ([second] if second["params"] else []) + groups[1:]
 
 
 def _strip(name: str) -> str:
@@ -167,7 +175,7 @@ def run_case(case: Case) -> dict:
     run = _build(case)
     roundtrip = None
     for t in range(case.steps):
-        run.train_step(step_grads(run.shapes, case.model_seed, t))
+        run.train_step(case.grads(run.shapes, t))
         if t + 1 == case.roundtrip_after:
             saved = copy.deepcopy(run.opt.state_dict())
             run.opt.load_state_dict(copy.deepcopy(saved))
@@ -186,7 +194,7 @@ def run_reference(case: Case) -> dict:
         opt = _muon(case, _groups(case, model), model, reference=True)
         shapes = usages(model)
         for t in range(case.steps):
-            model(step_grads(shapes, case.model_seed, t)).backward()
+            model(case.grads(shapes, t)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -214,7 +222,7 @@ def run_torch(case: Case):
                                           eps=kw["adam_eps"], weight_decay=case.settings.adam_weight_decay))
         shapes = usages(model)
         for t in range(case.steps):
-            model(step_grads(shapes, case.model_seed, t)).backward()
+            model(case.grads(shapes, t)).backward()
             for o in opts:
                 o.step()
                 o.zero_grad(set_to_none=True)

@@ -443,6 +443,14 @@ def fit_to_stack(case: Case) -> Case:
         elif stack.kind not in ("single", "fsdp2", "fsdp1", "torch"):
             absent = ()
     model = case.model
+    if stack.kind == "fsdp1" and stack.option("nested"):
+        # torch 2.13's FSDP1 asserts while wrapping a unit whose tensors all have zero elements
+        # ("unsharded_start_idx: 0 unsharded_end_idx: -1", no ds_muon involved): sizes 0 become 1 there
+        units = tuple(tuple(replace(leaf, dims=tuple(d or 1 for d in leaf.dims)) for leaf in unit)
+                      if all(0 in leaf.dims for leaf in unit) else unit for unit in model.units)
+        if units != model.units:
+            model = ModelSpec(units)
+            notes.append("no unit of zero-size tensors only: FSDP1 nested")
     if stack.kind in ("fsdp2", "zero") and any(0 in leaf.dims for leaf in leaves):
         # torch 2.13's FSDP2 fails the backward of any fully_shard group holding a zero-element
         # parameter ("_chunk_cat expects non-empty tensor", no ds_muon involved); DeepSpeed

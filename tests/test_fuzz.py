@@ -96,6 +96,7 @@ def _report(failures: list) -> str:
         f"{case.describe()}\n" + "\n".join("    " + line for line in lines) for case, lines in failures)
 
 
+@pytest.mark.timeout(300 + 10 * CASES)
 def test_fuzz_one_process():
     """The equivalent settings (overlap with deferred apply and backward dispatch, duplicated
     mode, planners) in one process against the plain reference."""
@@ -114,6 +115,7 @@ def test_fuzz_one_process():
     assert not failures, _report(failures)
 
 
+@pytest.mark.timeout(300 + 10 * CASES)
 def test_fuzz_reference_equals_torch_optim():
     """ds_muon in one process against torch.optim.Muon + torch.optim.AdamW where the maths is theirs.
 
@@ -147,6 +149,7 @@ def test_fuzz_reference_equals_torch_optim():
     assert not failures, _report(failures)
 
 
+@pytest.mark.timeout(600 + 40 * CASES)  # the suite's 300 s is for CI's 8 cases; a budget by hand scales it
 @pytest.mark.parametrize("world", sorted(SPAWNS))
 def test_fuzz_stacks(world, tmp_path):
     kinds = [k for k in SPAWNS[world] if (k != "zero" or HAVE_DEEPSPEED) and (not ONLY or k in ONLY)]
@@ -156,7 +159,7 @@ def test_fuzz_stacks(world, tmp_path):
     indices, case_kinds = [i for i, _ in plan], [k for _, k in plan]
     try:
         results = dist_harness.run(rank_worker, world, SEED, indices, case_kinds, str(tmp_path),
-                                   timeout=300 + 30 * CASES, env=ZERO_ENV)
+                                   timeout=500 + 30 * CASES, env=ZERO_ENV)
     except (AssertionError, TimeoutError) as e:
         running = {f.name: (tmp_path / f.name).read_text() for f in tmp_path.iterdir()}
         raise AssertionError(f"{e}\nlast case started per rank: {running}") from None

@@ -213,10 +213,13 @@ def bind_fsdp1_flat(flat, name: str, group=None, head_names: Sequence[str] = HEA
     base = prefix if prefix is not None else f"{name}:"
     matrices: List[MatrixSlot] = []
     adam: List[Tuple[int, int]] = []
+    mixed = False  # an AdamW tensor anywhere in the flat parameter, held here or not
     for i, fqn in enumerate(flat._fqns):
         key = base + fqn
         piece, offset = _shard_piece(flat, i, key)
-        if original_is_muon(flat, i, head_names, routers):
+        muon = original_is_muon(flat, i, head_names, routers)
+        mixed = mixed or not muon
+        if muon:
             carrier = _tag_carrier(flat, i, key)
             if carrier is not None:  # one matrix per expert (and gate/up blocks), clipped to this shard
                 lo = 0 if piece is None else piece.offset
@@ -232,7 +235,7 @@ def bind_fsdp1_flat(flat, name: str, group=None, head_names: Sequence[str] = HEA
             merged[-1] = (merged[-1][0], merged[-1][1] + n)
         else:
             merged.append((off, n))
-    return ParamBinding(flat, _flat1, matrices, adam_ranges=merged, group=group)
+    return ParamBinding(flat, _flat1, matrices, adam_ranges=merged, group=group, mixed=mixed)
 
 
 def bind_fsdp1_orig(param, name: str, flat, i: int, group=None) -> ParamBinding:

@@ -41,9 +41,10 @@ def split_params(
 
 
 def param_reason(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
-                 head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
-    """:func:`param_reasons` for one original tensor of ``module`` (where parameters are flattened, FSDP1)."""
-    return rules_of(module, head_names, routers).decide(module_name, module, name, shape).reason
+                 head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw", param=None) -> str:
+    """:func:`param_reasons` for one original tensor of ``module`` (where parameters are flattened, FSDP1);
+    ``param``: the tensor itself where it still exists (FSDP1 ``use_orig_params=True``), for its tags."""
+    return rules_of(module, head_names, routers).decide(module_name, module, name, shape, param).reason
 
 
 def is_muon_param(name: str, shape: Sequence[int], module_name: str, module: nn.Module,

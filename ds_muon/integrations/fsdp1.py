@@ -142,10 +142,13 @@ def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, router
     a tied tensor: the first AdamW reason of the modules that share it)."""
     info = flat._param_infos[i]
     shape = tuple(flat._shapes[i])
-    reason = param_reason(info.param_name, shape, info.module_name, info.module, head_names, routers)
+    # use_orig_params=True keeps the original tensors (flat._params), and with them the user's tags
+    # (expert_weight, split_rows, ...): without it a tagged expert stack would read as a raw parameter
+    param = flat._params[i] if getattr(flat, "_params", None) is not None else None
+    reason = param_reason(info.param_name, shape, info.module_name, info.module, head_names, routers, param)
     for s in flat._shared_param_infos:
         if reason.startswith(HIDDEN_MATRIX) and s.prim_module is info.module and s.prim_param_name == info.param_name:
-            reason = param_reason(s.param_name, shape, s.module_name, s.module, head_names, routers)
+            reason = param_reason(s.param_name, shape, s.module_name, s.module, head_names, routers, param)
     return reason
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .budget import ChunkedNS, budget_bytes, split_by_bytes
 from .exchange import Exchange
 from .groups import as_dtype
 from .layout import Layout
@@ -188,11 +189,13 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
     ns_of: Dict[Hashable, NSSettings] = {}
     ns_at: Dict[int, NSSettings] = {}
     device, offloaded = None, False
+    nbytes: Dict[int, int] = {}  # each matrix's bytes in its momentum's dtype (the memory budget's unit)
     for i in todo:
         b, _ = layout.local[i]
         ns = ns_at[i] = ns_settings(group_of[id(b.param)])
         info = layout.matrices[i]
         mom_dtype = b.flat(b.param).dtype
+        nbytes[i] = layout.matrices[i].numel * mom_dtype.itemsize
         device = b.flat(b.param).device
         offloaded = host_state(b.param, offload)
         if comm_dtype is not None:
@@ -209,6 +212,8 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
         host, device = device, exchange_device(device, group if group is not None else layout.group)
         if device == host:  # stacks assembled on the host: NS in chunks on the accelerator
             ns_of = {k: HostNS(ns) for k, ns in ns_of.items()}
+    budget = budget_bytes(list(nbytes.values()))  # transients of a wave and of an NS call (ds_muon.budget)
+    ns_of = {k: ns if isinstance(ns, HostNS) else ChunkedNS(ns, budget) for k, ns in ns_of.items()}
     compiled = []
     for (gdt, sdt), idx in by_dtypes.items():
         if mode == "duplicated":
@@ -217,7 +222,10 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             tasks = [planner_task(layout, i, ns_at[i], gdt.itemsize) for i in idx]
             homes = dict(zip(idx, plan_multi_homes(tasks, layout.world_size, cost_model, planner)))
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
-        for wave in split_waves(idx, cost, waves):
+        cut = split_waves(idx, cost, waves)
+        if layout.world_size == 1:  # nothing to overlap: waves of bounded memory, each run whole in turn
+            cut = split_by_bytes(cut, nbytes, budget)
+        for wave in cut:
             compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group,
                                       transport=cost_model.transport), ns_of))
     return compiled

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Layout, Piece
+from .lending import full_bytes, give_back, give_back_all, take, take_all
 from .planner import gather_source, replica_groups, scatter_source
 
 
@@ -149,6 +150,9 @@ class Exchange:
             for s in lst:
                 self.recv_offset[s.matrix] = off
                 off += s.piece.numel
+        # the matrices whose local pieces gather_start reads (sent, or copied into this rank's
+        # stacks): a piece of a replica homed elsewhere is not read, nor its Nesterov input needed
+        self.reads = frozenset([s.matrix for s in self.self_gather] + [s.matrix for lst in send_g for s in lst])
         self._buffers: Dict[str, object] = {}
         self.bytes_sent = sum(self.split_send_g) * gather_dtype.itemsize + sum(self.split_send_s) * scatter_dtype.itemsize
         self.bytes_received = (sum(self.split_recv_g) * gather_dtype.itemsize
@@ -165,6 +169,7 @@ class Exchange:
             key: torch.empty((len(idx), self.layout.matrices[idx[0]].rows, self.layout.matrices[idx[0]].cols),
                              dtype=self.gather_dtype, device=self.device)
             for key, idx in self.stacks.items()})
+        take_all(stacks.values())  # memory lent back for this step (see ds_muon.lending)
         if self.self_gather:
             homes = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
             self._copy_all("self_views", homes, [local[seg.matrix] for seg in self.self_gather])
@@ -172,8 +177,8 @@ class Exchange:
             return stacks, None, None
         send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
                           [local[seg.matrix] for lst in self.send_g for seg in lst])
-        recv = self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
-                                                          device=self.device))
+        recv = take(self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
+                                                               device=self.device)))
         work = self._move(recv, send, self.split_recv_g, self.split_send_g)
         return stacks, recv, (work, send)
 
@@ -186,6 +191,7 @@ class Exchange:
             [self._flat_home_view(stacks, seg) for lst in self.recv_g for seg in lst],
             _slices(recv, [seg.piece.numel for lst in self.recv_g for seg in lst])))
         self._copy_all("recv_g_views", homes, parts)
+        give_back_all((recv, work[1]))  # both sides of the gather are done with
         return stacks
 
     # -- scatter --------------------------------------------------------------
@@ -196,6 +202,7 @@ class Exchange:
         it is not contiguous in the stack."""
         cuts = self._buffer("cuts", self._compile_cuts)
         kept = self._buffer("results", lambda: self._result_buffers(results))
+        take_all(r for r in kept.values() if r._base is None)  # a result buffer of its own (wider than the stack)
         for key, r in results.items():  # one copy per stack: the pieces below are views made once
             if kept[key].data_ptr() != r.data_ptr():
                 kept[key].copy_(r)
@@ -205,8 +212,8 @@ class Exchange:
             return out, None, None
         send = self._pack("send_s", self.send_s, self.split_send_s, self.scatter_dtype,
                           self._buffer("send_s_sources", lambda: [pieces[key][k] for key, k in self._send_cuts]))
-        recv = self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
-                                                          device=self.device))
+        recv = take(self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
+                                                               device=self.device)))
         work = self._move(recv, send, self.split_recv_s, self.split_send_s)
         return out, recv, (work, send)
 
@@ -215,6 +222,7 @@ class Exchange:
         if work is None:
             return out
         _wait(work[0])
+        give_back(work[1])  # the send buffer; the received results are read by the apply (see done)
         mine = self.layout.matrices
         views = self._buffer("recv_s_views", lambda: dict(zip(
             self.recv_offset, _slices(recv, [mine[i].pieces[self.rank].numel for i in self.recv_offset]))))
@@ -234,22 +242,34 @@ class Exchange:
                     ops.append(dist.P2POp(op, part, group=self.group, group_peer=peer))
         return dist.batch_isend_irecv(ops) if ops else []
 
+    def done(self) -> None:
+        """The step is done with this exchange's results (applied): the memory of every kept
+        buffer goes back until the next step (:mod:`~ds_muon.lending`); views stay."""
+        give_back_all(self._bases())
+
+    def _bases(self) -> List[torch.Tensor]:
+        out = []
+        for buf in self._buffers.values():
+            for t in (buf.values() if isinstance(buf, dict) else [buf]):
+                if torch.is_tensor(t) and t._base is None:
+                    out.append(t)
+        return out
+
     def release(self) -> None:
         """Drop the buffers kept across steps (an evicted exchange); a later use allocates anew,
         and a gather or scatter in flight keeps the tensors it holds until it finishes."""
         self._buffers.clear()
 
     def buffer_bytes(self) -> int:
-        """Bytes held in buffers kept across steps (for memory reports and tests): the stacks and
-        the send/receive buffers (and the results' own where wider than the stacks); the views
-        and cut lists kept beside them alias those bytes."""
-        out, seen = 0, set()
-        for buf in self._buffers.values():
-            for t in (buf.values() if isinstance(buf, dict) else [buf]):
-                if torch.is_tensor(t) and t._base is None and id(t) not in seen:  # results may reuse the stacks
-                    seen.add(id(t))
-                    out += t.numel() * t.element_size()
-        return out
+        """Bytes of the buffers kept across steps while a step uses them (for memory reports and
+        tests): the stacks and the send/receive buffers (and the results' own where wider than the
+        stacks); the views and cut lists kept beside them alias those bytes.  Between steps their
+        memory is given back (:meth:`held_bytes`)."""
+        return sum(full_bytes(t) for t in {id(t): t for t in self._bases()}.values())
+
+    def held_bytes(self) -> int:
+        """Bytes the kept buffers hold now (0 between steps once :meth:`done`)."""
+        return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in self._bases()}.values())
 
     def _home_view(self, stacks, seg: _Segment) -> torch.Tensor:
         key, j = self.slot[seg.matrix]
@@ -313,7 +333,8 @@ class Exchange:
             nbytes = r.numel() * r.element_size()
             reuse = s is not None and s.is_contiguous() and nbytes <= s.numel() * s.element_size()
             if reuse and r.untyped_storage().data_ptr() == s.untyped_storage().data_ptr():
-                reuse = s.dtype == r.dtype and s.shape == r.shape and r.data_ptr() == s.data_ptr()  # NS in place
+                # NS wrote its result into the stack's own memory (in chunks, ds_muon.budget): that is the view
+                reuse = r.data_ptr() == s.data_ptr() and r.is_contiguous()
             if reuse:
                 out[key] = s.view(-1).view(torch.uint8)[:nbytes].view(r.dtype).view(r.shape)
             else:
@@ -348,7 +369,7 @@ class Exchange:
 
     def _pack(self, name, segs, splits, dtype, sources: List[torch.Tensor]) -> torch.Tensor:
         """``sources`` (one per segment of ``segs``, in order) copied into the kept send buffer."""
-        buf = self._buffer(name, lambda: torch.empty(sum(splits), dtype=dtype, device=self.device))
+        buf = take(self._buffer(name, lambda: torch.empty(sum(splits), dtype=dtype, device=self.device)))
         views = self._buffer(name + "_views", lambda: _slices(buf, [seg.piece.numel for lst in segs for seg in lst]))
         self._copy_all(name, views, sources)
         return buf

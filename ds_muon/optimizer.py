@@ -377,9 +377,10 @@ class Muon(Optimizer):
             self._drain_early()
             return loss
         jobs = self._plan(work)  # 4. compiled exchanges: homes, dtypes, waves
-        gathers = self._gather(jobs)  # 5. momentum on local pieces, gathers issued
-        scatters = self._orthogonalize(jobs, gathers)  # 6. NS at home, scatters issued
-        self._apply(jobs, scatters)  # 7. results applied (or deferred to forward)
+        for batch in self._batches(jobs):
+            gathers = self._gather(batch)  # 5. momentum on local pieces, gathers issued
+            scatters = self._orthogonalize(batch, gathers)  # 6. NS at home, scatters issued
+            self._apply(batch, scatters)  # 7. results applied (or deferred to forward)
         if self._dispatch is not None and self._stack_allows_overlap():
             self._arm(jobs)  # the next backward sends the gathers whose gradients are final
         return loss
@@ -556,14 +557,25 @@ class Muon(Optimizer):
             device = accelerator()
         return CostModel.for_device(device.type)
 
+    def _batches(self, jobs: List[_Job]) -> List[List[_Job]]:
+        """Stages 5-7 run on all waves together (every gather issued before any NS), or, when no
+        wave moves anything (one process) and none left from backward, on one wave after another:
+        then one wave's transients live at a time (waves of bounded memory: ds_muon.budget)."""
+        if self._dispatch is None and not any(j.exchange.gather_traffic or j.exchange.scatter_traffic for j in jobs):
+            return [[j] for j in jobs]
+        return [jobs]
+
     def _gather(self, jobs: List[_Job]) -> list:
         """Stage 5: every wave's gather issued (of every domain) before any is waited on; a wave's
         momentum is computed just before its gather, so one wave's NS inputs live at a time.
         Gathers a backward hook already issued are claimed (their momentum committed now)."""
         early = self._dispatch.claim([j.exchange for j in jobs]) if self._dispatch is not None else {}
-        return [early[id(j.exchange)] if id(j.exchange) in early
-                else j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
-                for j in jobs]
+        return [early[id(j.exchange)] if id(j.exchange) in early else self._gather_one(j) for j in jobs]
+
+    def _gather_one(self, j: _Job):
+        pending = j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
+        self._pieces_of(j.layout, j.exchange).sent()  # copied into the exchange: their memory goes back
+        return pending
 
     @staticmethod
     def _orthogonalize(jobs: List[_Job], gathers: list) -> list:
@@ -607,7 +619,7 @@ class Muon(Optimizer):
         pieces = self._pieces.get(ex)
         if pieces is None:
             index = {id(p): gi for gi, g in enumerate(self.param_groups) if g["use_muon"] for p in g["params"]}
-            pieces = self._pieces[ex] = WavePieces(layout, ex.active, index)
+            pieces = self._pieces[ex] = WavePieces(layout, ex.active, index, ex.reads)
         return pieces
 
     def _muon_groups(self) -> Dict[int, dict]:
@@ -656,6 +668,7 @@ class Muon(Optimizer):
             """``bound_in``: the step's token when applied within it (the views were checked this step).
             (No reference to the optimizer: a dropped optimizer's deferred updates must not keep it alive.)"""
             pieces.apply(ex.scatter_finish(pending), coefficients, bound_in)
+            ex.done()  # the exchange's buffers give their memory back until the next step
 
         return apply
 

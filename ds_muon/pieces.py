@@ -10,7 +10,9 @@ parameters and momentum buffers, checked every step by the address of each local
 (a stack or a load that swaps storage gets new views).  Gradients are new every step: a
 piece that is all of a contiguous local tensor uses the tensor itself (no view), others
 are cut from the binding's flat view.  Nesterov's inputs are written into a kept buffer
-whose flat views the exchange reads, instead of new tensors every step.
+whose flat views the exchange reads, instead of new tensors every step; its memory is lent
+only until the exchange has copied them (:mod:`~ds_muon.lending`), and only the pieces the
+exchange reads get one (a replica's piece of a matrix homed elsewhere is not sent).
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, Layout, ParamBinding, matrix_shape
+from .lending import give_back, take
 from .update import apply_coefficients, apply_result, ns_input
 
 
 class WavePieces:
     """The pieces of ``ex.active`` this rank holds, sorted by (param group, shape,
-    transposed); ``group_index[id(param)]`` is each parameter's index in ``param_groups``."""
+    transposed); ``group_index[id(param)]`` is each parameter's index in ``param_groups``.
+    ``reads`` (default all): the matrices whose NS inputs the exchange reads; the others only
+    move their momentum."""
 
-    def __init__(self, layout: Layout, active: List[int], group_index: Dict[int, int]):
+    def __init__(self, layout: Layout, active: List[int], group_index: Dict[int, int], reads=None):
         entries = []
         for i in active:
             b, slot = layout.local[i]
@@ -44,6 +49,9 @@ class WavePieces:
         # runs of equal param group (the update's inputs) and of equal (group, shape, transposed) (its coefficients)
         self.group_indices = [e[0] for e in entries]
         self.groups = _runs(self.group_indices)
+        # per run of a param group: the positions in it whose inputs are read (None: all of them)
+        self._read_at = [None if reads is None or all(self.idx[k] in reads for k in range(a, z))
+                         else [k - a for k in range(a, z) if self.idx[k] in reads] for a, z in self.groups]
         self.kinds = [(a, z, entries[a][0], matrix_shape(entries[a][1]), entries[a][2])
                       for a, z in _runs([e[:3] for e in entries])]
         self._ptrs: Optional[list] = None  # local storage addresses of params then momenta the views were made for
@@ -95,16 +103,23 @@ class WavePieces:
                 out.append(flat if off == 0 and n == flat.numel() else flat[off:off + n])
         return out
 
-    def _kept_inputs(self, a: int, z: int, grads: List[torch.Tensor]):
-        """A kept buffer for pieces ``[a, z)``'s Nesterov inputs: views shaped like ``grads`` and flat."""
+    def _kept_inputs(self, a: int, z: int, grads: List[torch.Tensor], at: Optional[List[int]]):
+        """A kept buffer for the Nesterov inputs of pieces ``[a, z)`` (those ``at``, or all): views
+        shaped like ``grads`` and flat, and the buffer (its memory lent until :meth:`sent`)."""
         key = (a, z) + tuple(g.dtype for g in grads[:1])
         kept = self._inputs.get(key)
         if kept is None:
-            numels = [n for _, n in self.spans[a:z]]
+            numels = [self.spans[a + k][1] for k in at] if at is not None else [n for _, n in self.spans[a:z]]
             buf = torch.empty(sum(numels), dtype=grads[0].dtype, device=grads[0].device)
             flats = list(buf.split(numels))
-            kept = self._inputs[key] = ([f.view(g.shape) for f, g in zip(flats, grads)], flats)
+            kept = self._inputs[key] = ([f.view(g.shape) for f, g in zip(flats, grads)], flats, buf)
+        take(kept[2])
         return kept
+
+    def sent(self) -> None:
+        """The exchange has copied this step's inputs: the Nesterov buffers' memory goes back."""
+        for kept in self._inputs.values():
+            give_back(kept[2])
 
     # -- the update's two halves -----------------------------------------------------------------
     def inputs(self, param_groups, state, commit: bool = True, bound_in=None):
@@ -117,21 +132,21 @@ class WavePieces:
         grads = self._grads()
         pieces: Dict[int, torch.Tensor] = {}
         commits = []
-        for a, z in self.groups:
+        for (a, z), at in zip(self.groups, self._read_at):
             g = param_groups[self._group_of(a)]
             gs = grads[a:z]
             kept = None
-            if commit and g["nesterov"] and all(t.dtype == gs[0].dtype for t in gs):
-                kept = self._kept_inputs(a, z, gs)
+            if commit and g["nesterov"] and at != [] and all(t.dtype == gs[0].dtype for t in gs):
+                kept = self._kept_inputs(a, z, gs if at is None else [gs[k] for k in at], at)
             inputs, new = ns_input(gs, self._bufs[a:z], self._param_pieces[a:z], g, commit,
-                                   out=kept[0] if kept is not None else None)
+                                   out=kept[0] if kept is not None else None, only=at)
             if kept is not None:
                 flats = kept[1]
             elif commit and not g["nesterov"]:
-                flats = self._buf_flats[a:z]
+                flats = self._buf_flats[a:z] if at is None else [self._buf_flats[a + k] for k in at]
             else:
                 flats = [t.reshape(-1) for t in inputs]
-            pieces.update(zip(self.idx[a:z], flats))
+            pieces.update(zip(self.idx[a:z] if at is None else [self.idx[a + k] for k in at], flats))
             if not commit:
                 commits.extend(zip(self._bufs[a:z], new))
         return pieces, commits

@@ -32,7 +32,7 @@ def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
 
 def _locals_of(t: torch.Tensor):
     inner = getattr(t, "_local_tensor", None)  # a DTensor: its local shard holds the memory
-    return [t] if inner is None else [t, inner]
+    return [t] if inner is None else [inner]
 
 
 def model_storages(params: Iterable[torch.Tensor]) -> set:

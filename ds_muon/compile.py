@@ -226,8 +226,9 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
         if layout.world_size == 1:  # nothing to overlap: waves of bounded memory, each run whole in turn
             cut = split_by_bytes(cut, nbytes, budget)
         for wave in cut:
-            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group,
-                                      transport=cost_model.transport), ns_of))
+            ex = Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group, transport=cost_model.transport)
+            ex.memory_budget = budget
+            compiled.append((ex, ns_of))
     return compiled
 
 

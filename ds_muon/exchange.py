@@ -16,7 +16,7 @@ of the group, a sparse plan talks to a few.  The bytes are the same, so the resu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Hashable, List, NamedTuple, Sequence, Tuple
+from typing import Dict, FrozenSet, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -158,25 +158,61 @@ class Exchange:
         self.bytes_received = (sum(self.split_recv_g) * gather_dtype.itemsize
                                + sum(self.split_recv_s) * scatter_dtype.itemsize)
 
+    memory_budget: Optional[int] = None  # bytes of NS inputs the step fills in at a time (ds_muon.budget)
+
     # -- gather ---------------------------------------------------------------
-    def gather_start(self, local: Dict[int, torch.Tensor]):
-        """``local[i]``: this rank's piece of matrix i, flat.  Pack and issue the gather
-        all_to_all without waiting (other domains' exchanges can be issued meanwhile);
-        :meth:`gather_finish` waits and returns the home stacks ``{key: [k, rows, cols]}``
-        filled with the full matrices.  Copies are one ``torch._foreach_copy_`` per direction
-        into views of the kept buffers made once, not one copy call per piece."""
+    def gather_fill(self, local: Dict[int, torch.Tensor]) -> None:
+        """Copy some of this rank's pieces (``local``, flat) to where the gather takes them from (the
+        home stacks, the send buffer), so that their Nesterov inputs need not all exist at once;
+        then :meth:`gather_start` with ``filled=True`` sends."""
+        stacks = self._stacks()
+        dst, src = [], []
+        if self.self_gather:
+            views = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
+            at = self._buffer("self_at", lambda: _positions(seg.matrix for seg in self.self_gather))
+            for i in local:
+                for k in at.get(i, ()):
+                    dst.append(views[k])
+                    src.append(local[i])
+        if self.gather_traffic:
+            segs = self.send_g
+            buf = take(self._buffer("send_g", lambda: torch.empty(sum(self.split_send_g), dtype=self.gather_dtype,
+                                                                 device=self.device)))
+            views = self._buffer("send_g_views", lambda: _slices(buf, [seg.piece.numel for lst in segs for seg in lst]))
+            at = self._buffer("send_at", lambda: _positions(seg.matrix for lst in segs for seg in lst))
+            for i in local:
+                for k in at.get(i, ()):
+                    dst.append(views[k])
+                    src.append(local[i])
+        if dst:
+            torch._foreach_copy_(dst, [s if s.dim() == d.dim() else s.reshape(d.shape) for d, s in zip(dst, src)])
+
+    def _stacks(self) -> Dict[Hashable, torch.Tensor]:
         stacks = self._buffer("stacks", lambda: {
             key: torch.empty((len(idx), self.layout.matrices[idx[0]].rows, self.layout.matrices[idx[0]].cols),
                              dtype=self.gather_dtype, device=self.device)
             for key, idx in self.stacks.items()})
         take_all(stacks.values())  # memory lent back for this step (see ds_muon.lending)
-        if self.self_gather:
+        return stacks
+
+    def gather_start(self, local: Optional[Dict[int, torch.Tensor]], filled: bool = False):
+        """``local[i]``: this rank's piece of matrix i, flat.  Pack and issue the gather
+        all_to_all without waiting (other domains' exchanges can be issued meanwhile);
+        :meth:`gather_finish` waits and returns the home stacks ``{key: [k, rows, cols]}``
+        filled with the full matrices.  Copies are one ``torch._foreach_copy_`` per direction
+        into views of the kept buffers made once, not one copy call per piece.  ``filled``: the
+        pieces were already copied in by :meth:`gather_fill` (``local`` is not read)."""
+        stacks = self._stacks()
+        if self.self_gather and not filled:
             homes = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
             self._copy_all("self_views", homes, [local[seg.matrix] for seg in self.self_gather])
         if not self.gather_traffic:
             return stacks, None, None
-        send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
-                          [local[seg.matrix] for lst in self.send_g for seg in lst])
+        if filled:
+            send = self._buffers["send_g"]
+        else:
+            send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
+                              [local[seg.matrix] for lst in self.send_g for seg in lst])
         recv = take(self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
                                                                device=self.device)))
         work = self._move(recv, send, self.split_recv_g, self.split_send_g)
@@ -379,6 +415,14 @@ def _wait(work) -> None:
     """Wait on an all_to_all's work or on every work of a p2p batch."""
     for w in (work if isinstance(work, list) else [work]):
         w.wait()
+
+
+def _positions(matrices) -> Dict[int, List[int]]:
+    """Where each matrix's segments are in a list of segments."""
+    out: Dict[int, List[int]] = {}
+    for k, i in enumerate(matrices):
+        out.setdefault(i, []).append(k)
+    return out
 
 
 def _slices(flat: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:

@@ -573,9 +573,17 @@ class Muon(Optimizer):
         return [early[id(j.exchange)] if id(j.exchange) in early else self._gather_one(j) for j in jobs]
 
     def _gather_one(self, j: _Job):
-        pending = j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
-        self._pieces_of(j.layout, j.exchange).sent()  # copied into the exchange: their memory goes back
-        return pending
+        """One wave's inputs into its gather, at most the exchange's memory budget of them at a time."""
+        pieces = self._pieces_of(j.layout, j.exchange)
+        parts = pieces.parts(j.exchange.memory_budget)
+        if len(parts) == 1:
+            pending = j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
+            pieces.sent()  # copied into the exchange: their memory goes back
+            return pending
+        for part in parts:
+            j.exchange.gather_fill(pieces.inputs(self.param_groups, self.state, True, self._step_token, part)[0])
+            pieces.sent()
+        return j.exchange.gather_start(None, filled=True)
 
     @staticmethod
     def _orthogonalize(jobs: List[_Job], gathers: list) -> list:

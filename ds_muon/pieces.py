@@ -66,6 +66,7 @@ class WavePieces:
         self._all_whole = False
         self._bound_in = None
         self._flat_results: Optional[bool] = None  # are all results flat (no column blocks)?
+        self._parts: Dict[Optional[int], List[Tuple[int, int]]] = {}
 
     # -- views, checked every use ----------------------------------------------------------------
     def _bind(self, state) -> None:
@@ -116,23 +117,57 @@ class WavePieces:
         take(kept[2])
         return kept
 
+    def _within(self, part: Tuple[int, int]):
+        """The runs of a param group cut to ``part``, with their read positions."""
+        p0, p1 = part
+        for (a, z), at in zip(self.groups, self._read_at):
+            a2, z2 = max(a, p0), min(z, p1)
+            if a2 < z2:
+                yield (a2, z2), None if at is None else [a + k - a2 for k in at if a2 <= a + k < z2]
+
     def sent(self) -> None:
         """The exchange has copied this step's inputs: the Nesterov buffers' memory goes back."""
         for kept in self._inputs.values():
             give_back(kept[2])
 
+    def parts(self, budget: Optional[int]) -> List[Tuple[int, int]]:
+        """``[start, end)`` runs of the pieces whose NS inputs read take at most ``budget`` bytes each
+        (one run for everything without a budget, or when it all fits): the step computes and hands
+        over one run's inputs at a time, so only one run's Nesterov buffer exists at once."""
+        cached = self._parts.get(budget)
+        if cached is None:
+            n = len(self.idx)
+            read = [True] * n
+            for (a, z), at in zip(self.groups, self._read_at):
+                if at is not None:
+                    read[a:z] = [False] * (z - a)
+                    for k in at:
+                        read[a + k] = True
+            size = [self.spans[k][1] * self.params[k].dtype.itemsize if read[k] else 0 for k in range(n)]
+            cached, a, acc = [], 0, 0
+            if budget is not None and sum(size) > budget:
+                for k in range(n):
+                    if k > a and acc + size[k] > budget:
+                        cached.append((a, k))
+                        a, acc = k, 0
+                    acc += size[k]
+            cached.append((a, n))
+            self._parts[budget] = cached
+        return cached
+
     # -- the update's two halves -----------------------------------------------------------------
-    def inputs(self, param_groups, state, commit: bool = True, bound_in=None):
+    def inputs(self, param_groups, state, commit: bool = True, bound_in=None, part: Optional[Tuple[int, int]] = None):
         """This rank's pieces of the wave's NS inputs (weight decay, momentum, Nesterov:
         :func:`~ds_muon.update.ns_input`, one call per param group) as ``{matrix: flat piece}``,
         and (``commit=False``) the ``(momentum piece, new value)`` pairs to commit later.
-        ``bound_in``: a token of the step, for :meth:`apply`."""
+        ``bound_in``: a token of the step, for :meth:`apply`.  ``part``: only the pieces of one of
+        :meth:`parts` (default all)."""
         self._bind(state)
         self._bound_in = bound_in
         grads = self._grads()
         pieces: Dict[int, torch.Tensor] = {}
         commits = []
-        for (a, z), at in zip(self.groups, self._read_at):
+        for (a, z), at in (zip(self.groups, self._read_at) if part is None else self._within(part)):
             g = param_groups[self._group_of(a)]
             gs = grads[a:z]
             kept = None

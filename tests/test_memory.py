@@ -71,7 +71,26 @@ def test_one_process_holds_and_peaks_within_torch():
 D = 128  # W=2: matrices of D², each rank holds 4 (DDP) or half of each (FSDP2)
 
 
+def _smallest_budget():
+    """Every budget down to one matrix: one-process waves of one matrix, NS one matrix at a time,
+    each rank's Nesterov inputs one piece (of the largest matrix's size) at a time."""
+    import ds_muon.budget as budget
+
+    budget.FLOOR_BYTES, budget.STATE_FRACTION = 0, 1 << 60
+
+
 def _ranks_worker(rank, world):
+    import test_sharded_engine as engine
+
+    from ds_muon.exchange import Exchange
+
+    _smallest_budget()
+    fills, fill = [], Exchange.gather_fill
+    Exchange.gather_fill = lambda ex, local: (fills.append(len(local)), fill(ex, local))[1]
+    try:
+        flat = engine._flat_worker(rank, world, torch.bfloat16, "sharded", False)
+    finally:
+        Exchange.gather_fill = fill
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -85,18 +104,45 @@ def _ranks_worker(rank, world):
     held, _ = _held_and_peak("ds_muon", model, peak=False)
     state = sum(p.to_local().numel() * 4 for p in model.parameters() if p.ndim == 2)  # momentum of local shards
     out["fsdp2"] = (held, state)
+    out["flat"] = flat, fills
     return out
 
 
 def test_ranks_hold_their_state_only():
     """W=2: under DDP a rank holds what torch's optimizers hold (the whole state); under FSDP2 its
-    shards' momentum and AdamW state, and no home stacks, send or receive buffers between steps."""
+    shards' momentum and AdamW state, and no home stacks, send or receive buffers between steps.
+    With every memory budget at its smallest, a flat partition (matrices split across ranks) and
+    one process in waves of one matrix stay bitwise equal to one process at the default budget."""
+    import test_sharded_engine as engine
+
+    ref_mats, ref_bias = engine.reference(torch.bfloat16)
+    ref_flat = torch.cat([m.reshape(-1) for m in ref_mats])
+    with _budget_restored():
+        _smallest_budget()
+        small_mats, _ = engine.reference(torch.bfloat16)
+    for a, b in zip(small_mats, ref_mats):
+        assert torch.equal(a, b)
     for out in dist_harness.run(_ranks_worker, 2):
+        ((lo, hi), local, bias, _), fills = out["flat"]
+        assert torch.equal(local, ref_flat[lo:hi]) and torch.equal(bias, ref_bias)
+        assert len(fills) > engine.STEPS, fills  # the inputs went over in several parts per step
         (ref_held, _), (held, _) = out[("ddp", "torch")], out[("ddp", "ds_muon")]
         assert held <= LIMIT * ref_held, (held, ref_held)
         fsdp_held, muon_state = out["fsdp2"]
         biases = 4 * D * 4 * 3  # AdamW: exp_avg, exp_avg_sq of each (sharded) bias, and a step per tensor
         assert fsdp_held <= LIMIT * (muon_state + biases), (fsdp_held, muon_state)
+
+
+class _budget_restored:
+    def __enter__(self):
+        import ds_muon.budget as budget
+
+        self.saved = budget.FLOOR_BYTES, budget.STATE_FRACTION
+
+    def __exit__(self, *exc):
+        import ds_muon.budget as budget
+
+        budget.FLOOR_BYTES, budget.STATE_FRACTION = self.saved
 
 
 def test_lent_buffer_views_stay_valid():

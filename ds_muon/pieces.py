@@ -67,6 +67,7 @@ class WavePieces:
         self._bound_in = None
         self._flat_results: Optional[bool] = None  # are all results flat (no column blocks)?
         self._parts: Dict[Optional[int], List[Tuple[int, int]]] = {}
+        self._step_grads: Optional[List[torch.Tensor]] = None  # this step's, across its parts
 
     # -- views, checked every use ----------------------------------------------------------------
     def _bind(self, state) -> None:
@@ -162,9 +163,13 @@ class WavePieces:
         and (``commit=False``) the ``(momentum piece, new value)`` pairs to commit later.
         ``bound_in``: a token of the step, for :meth:`apply`.  ``part``: only the pieces of one of
         :meth:`parts` (default all)."""
-        self._bind(state)
-        self._bound_in = bound_in
-        grads = self._grads()
+        if part is None or part[0] == 0:  # the views are checked and gradients listed once per step
+            self._bind(state)
+            self._bound_in = bound_in
+            self._step_grads = self._grads()
+        grads = self._step_grads
+        if part is None or part[1] == len(self.idx):
+            self._step_grads = None  # no reference to the gradients outlives the step
         pieces: Dict[int, torch.Tensor] = {}
         commits = []
         for (a, z), at in (zip(self.groups, self._read_at) if part is None else self._within(part)):

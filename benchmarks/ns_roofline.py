@@ -1,14 +1,19 @@
-"""Newton–Schulz against the machine's matmul rate: how close the iteration gets to one GEMM.
+"""Newton–Schulz against the machine's matmul rate and against torch.optim.Muon's NS, interleaved.
 
-One thread (as one rank runs its home stacks).  Per dtype, the reference rate is one
-2048² GEMM (the same work as a large product, no batching) and, per shape, the three
-products of one NS step timed alone on the same stack (``X·Xᵀ``, ``A·A``, ``B·X``; the
-best an iteration built from them can do).  NS runs the shape's stack as ds_muon runs a
-home stack (5 Keller steps, eager and, where torch.compile works, compiled).  Every
-rate is FLOPs over process CPU time (the machine is shared: wall time is printed
-beside it), medians of interleaved repeats.  A profile of the eager NS on each stack
-says where the rest goes: GEMMs, copies (the ``baddbmm`` input copy and the
-orientation/cast copies), the normalisation.
+One thread (as one rank runs its home stacks).  Each round times, back to back: one
+2048² GEMM (the reference rate), then per stack of the bank ds_muon's NS (the kernel
+forms and chunking :mod:`ds_muon.ns_kernels` chooses on this machine), ds_muon's NS with every
+product pinned batched on whole stacks (the old code: ``bmm``/``baddbmm``), and torch.optim.Muon's own NS
+matrix by matrix (``torch.optim._muon._zeropower_via_newtonschulz``; it computes in bf16
+only, so its fp32 column runs the same loop in fp32).  The machine's matmul rate swings
+2-3× from minute to minute, so every figure is the median over rounds of *that round's*
+ratio, never a ratio of figures taken apart.  Rates are FLOPs over process CPU time on a
+CPU (wall beside it) and over synchronized wall time on a GPU.
+
+``--device cuda`` reports the NS rate as a fraction of the GPU's dense bf16 peak
+(``--peak-tflops``, default the H200's 989) and adds Gram NS (``ns_method="gram"``, which
+iterates in fp16 when asked for bf16).  ``--calibrate`` first runs
+:func:`ds_muon.ns_kernels.calibrate` and prints what it measured per class.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import torch
 
 from common import header, table
 
-from ds_muon.newton_schulz import compiled_newton_schulz, newton_schulz, ns_flops
+from ds_muon import ns_kernels
+from ds_muon.newton_schulz import KELLER, newton_schulz, ns_flops
 
 BANK = [(8, 512, 512), (4, 1536, 512), (4, 512, 1536), (4, 384, 1024)]
 STEPS = 5
-
-
 DEVICE = "cpu"
+COMPILED = None  # --compile: ds_muon's NS under torch.compile (compiled_newton_schulz)
 
 
 def _sync():
@@ -35,117 +40,190 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def cpu_and_wall(fns, repeats):
-    """Median (process CPU s, wall s) of each fn, the fns interleaved per repeat.  On a GPU
-    the first is the device time (wall, synchronized): the host only queues the work."""
-    cpu = [[] for _ in fns]
-    wall = [[] for _ in fns]
-    for fn in fns:
-        fn()  # warm-up (and compile)
-    for _ in range(repeats):
-        for k, fn in enumerate(fns):
-            _sync()
-            c0, w0 = time.process_time(), time.perf_counter()
-            fn()
-            _sync()
-            cpu[k].append(time.process_time() - c0)
-            wall[k].append(time.perf_counter() - w0)
-    if DEVICE == "cuda":
-        cpu = wall
-    return [(statistics.median(c), statistics.median(w)) for c, w in zip(cpu, wall)]
+def timed(fn):
+    """(device-or-CPU seconds, wall seconds) of one call."""
+    _sync()
+    c0, w0 = time.process_time(), time.perf_counter()
+    fn()
+    _sync()
+    wall = time.perf_counter() - w0
+    return (wall if DEVICE == "cuda" else time.process_time() - c0), wall
 
 
-def step_products(batch, m, n, dtype):
-    """One NS step's three products, on the shapes and with the forms the iteration uses."""
-    X = torch.randn(batch, m, n, device=DEVICE).to(dtype) / (m * n) ** 0.5
+def torch_muon_ns(G: torch.Tensor, dtype: torch.dtype):
+    """torch.optim.Muon's NS on each matrix of the stack; in fp32 its loop, cast to fp32 instead of bf16."""
+    if dtype == torch.bfloat16:
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
+        return [_zeropower_via_newtonschulz(g, KELLER, STEPS, 1e-7) for g in G]
+    a, b, c = KELLER
+    out = []
+    for g in G:
+        x = g.to(dtype)
+        if g.size(0) > g.size(1):
+            x = x.T
+        x = x.div_(x.norm().clamp(min=1e-7))
+        for _ in range(STEPS):
+            A = x @ x.T
+            B = torch.addmm(A, A, A, beta=b, alpha=c)
+            x = torch.addmm(x, B, x, beta=a)
+        out.append(x.T if g.size(0) > g.size(1) else x)
+    return out
+
+
+def bare_products(G, dtype):
+    """One NS step's three products as plain ``bmm`` (no fused scaled add, no copies) on the stack in
+    the wide orientation: the rate no exact form of the iteration can beat."""
+    m, n = min(G.shape[-2:]), max(G.shape[-2:])
+    X = torch.randn(G.size(0), m, n, device=G.device).to(dtype) / (m * n) ** 0.5
     A = torch.bmm(X, X.mT)
-    B = torch.empty_like(A)
-    Y = torch.empty_like(X)
+    B, Y = torch.empty_like(A), torch.empty_like(X)
 
     def run():
         torch.bmm(X, X.mT, out=A)
-        torch.baddbmm(A, A, A, beta=-4.775, alpha=2.0315, out=B)
-        torch.baddbmm(X, B, X, beta=3.4445, out=Y)
+        torch.bmm(A, A, out=B)
+        torch.bmm(B, X, out=Y)
     return run
 
 
-def profile_rows(G, dtype):
-    """Self CPU ms per op group of one eager NS on ``G`` (a profile of 3 runs)."""
-    from torch.profiler import profile
+def ours(G, dtype, method="standard", pinned=None):
+    def run():
+        if pinned is not None:  # the old code: every product batched, whole stacks
+            ns_kernels.pin(form=pinned)
+            ns_kernels.pin_chunk_bytes(0)
+        try:
+            newton_schulz(G, STEPS, "keller", dtype, method=method).contiguous()
+        finally:
+            if pinned is not None:
+                ns_kernels.pin()
+                ns_kernels.pin_chunk_bytes(None)
+    return run
 
-    groups = {"aten::bmm": "GEMM", "aten::baddbmm": "GEMM", "aten::copy_": "copies",
-              "aten::linalg_vector_norm": "norm", "aten::div": "norm", "aten::div_": "norm", "aten::clamp_": "norm"}
-    with profile() as prof:
-        for _ in range(3):
-            newton_schulz(G, STEPS, "keller", dtype).contiguous()
-        _sync()
-    out = {"GEMM": 0.0, "copies": 0.0, "norm": 0.0, "other": 0.0}
-    for ev in prof.key_averages():
-        out[groups.get(ev.key, "other")] += ev.self_cpu_time_total / 1e3 / 3
-    return out
+
+def roofline(dtype, rounds, with_gram):
+    """Rows per stack and for the bank, each a median of per-round ratios."""
+    name = str(dtype).replace("torch.", "")
+    a, b = (torch.randn(2048, 2048, device=DEVICE).to(dtype) for _ in range(2))
+    gemm = lambda: torch.mm(a, b)  # noqa: E731
+    stacks = [torch.randn(s, generator=torch.Generator().manual_seed(0)).to(DEVICE) for s in BANK]
+    flops = [s[0] * ns_flops(s[1], s[2], STEPS) for s in BANK]
+    bare_flops = [f / STEPS for f in flops]  # one step's products
+    cols = {"ds": lambda G: ours(G, dtype), "batched": lambda G: ours(G, dtype, pinned="batched"),
+            "torch": lambda G: (lambda: torch_muon_ns(G, dtype)), "bare": lambda G: bare_products(G, dtype)}
+    if with_gram:
+        cols["gram"] = lambda G: ours(G, dtype, method="gram")
+    if COMPILED is not None:
+        cols["compiled"] = lambda G: (lambda: COMPILED(G, STEPS, "keller", dtype).contiguous())
+    fns = {k: [mk(G) for G in stacks] for k, mk in cols.items()}
+    gemm()
+    for per in fns.values():
+        for f in per:
+            f()  # warm-up
+    # per round: the GEMM's seconds, and per column the (cpu, wall) seconds of each stack
+    rec = []
+    for _ in range(rounds):
+        g_cpu, _ = timed(gemm)
+        row = {"gemm": g_cpu}
+        for k, per in fns.items():
+            row[k] = [timed(f) for f in per]
+        rec.append(row)
+    gemm_flops = 2.0 * 2048**3
+
+    def med(values):
+        return statistics.median(values)
+
+    rows = []
+    for j in list(range(len(BANK))) + [None]:
+        pick = (lambda r, k: r[k][j]) if j is not None else (
+            lambda r, k: tuple(sum(x) for x in zip(*r[k])))  # noqa: E731
+        fl = flops[j] if j is not None else sum(flops)
+        gemm_rate = [gemm_flops / r["gemm"] for r in rec]
+        ds_rate = [fl / pick(r, "ds")[0] for r in rec]
+        bare_rate = [(bare_flops[j] if j is not None else sum(bare_flops)) / pick(r, "bare")[0] for r in rec]
+        row = [name, "x".join(map(str, BANK[j])) if j is not None else "bank",
+               med(gemm_rate) / 1e12, med(ds_rate) / 1e12,
+               f"{med([d / g for d, g in zip(ds_rate, gemm_rate)]):.2f}",
+               f"{med([b / g for b, g in zip(bare_rate, gemm_rate)]):.2f}",
+               f"{med([pick(r, 'batched')[0] / pick(r, 'ds')[0] for r in rec]):.2f}",
+               f"{med([pick(r, 'torch')[0] / pick(r, 'ds')[0] for r in rec]):.2f}",
+               med([pick(r, "ds")[0] for r in rec]) * 1e3, med([pick(r, "ds")[1] for r in rec]) * 1e3,
+               med([pick(r, "torch")[0] for r in rec]) * 1e3, med([pick(r, "torch")[1] for r in rec]) * 1e3]
+        if COMPILED is not None:
+            row += [f"{med([pick(r, 'compiled')[0] / pick(r, 'ds')[0] for r in rec]):.2f}"]
+        if with_gram:
+            g_rate = [fl / pick(r, "gram")[0] for r in rec]  # standard FLOPs: the rate of the same result
+            row += [f"{med([x / g for x, g in zip(g_rate, gemm_rate)]):.2f}"]
+        rows.append(row)
+    return rows
+
+
+def print_calibration(dtypes):
+    print("Calibration (ds_muon.ns_kernels.measure: each product's forms interleaved, median ms;"
+          " '=' the batched form's bits)\n")
+    rows = []
+    for dtype in dtypes:
+        for product in ns_kernels.PRODUCTS:
+            for transposed in ((False,) if product == "poly" else (False, True)):
+                for bucket, shape in ns_kernels.CALIBRATION_STACKS.items():
+                    res = ns_kernels.measure(product, dtype, DEVICE, transposed, bucket)
+                    rows.append([str(dtype).replace("torch.", ""), product, "transposed" if transposed else "contiguous",
+                                 f"{bucket} {'x'.join(map(str, shape))}"]
+                                + [f"{res[f][0] * 1e3:.3f}{'=' if res[f][1] else '≠'}" for f in ns_kernels.FORMS])
+    table(["dtype", "product", "input", "class (stack)"] + list(ns_kernels.FORMS), rows)
+    chunks = ns_kernels.measure_chunks(dtypes[0], DEVICE)
+    print(f"Chunk budgets on {'x'.join(map(str, ns_kernels.CHUNK_STACK))} "
+          f"({str(dtypes[0]).replace('torch.', '')}), median ms ('=' whole stacks' bits):",
+          ", ".join(f"{b // 2**20} MiB: {t * 1e3:.2f}{'=' if same else '≠'}" for b, (t, same) in chunks.items()), "\n")
+    chosen = ns_kernels.calibrate(DEVICE, dtypes)
+    print("calibrated choices (not batched):",
+          [(k[1:], f) for k, f in sorted(chosen.items()) if f != "batched"] or "none",
+          f"chunk budget {ns_kernels.chunk_bytes(DEVICE)}", "\n")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--calibrate", action="store_true", help="measure the forms first and use what is fastest")
+    ap.add_argument("--compile", action="store_true", help="add compiled NS (compile=True) as compiled/eager time")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for --device cuda (H200: 989)")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, COMPILED
     DEVICE = args.device
+    if args.compile:
+        from ds_muon.newton_schulz import compiled_newton_schulz
+
+        COMPILED = compiled_newton_schulz()
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("ns_roofline.py --device cuda: no CUDA device here")
     torch.set_num_threads(1)
-    header(f"Newton–Schulz vs GEMM rate, {STEPS} Keller steps, one thread, rates over process CPU time"
-           + (" (GPU: over device time)" if DEVICE == "cuda" else ""))
-    compiled = None if args.no_compile else compiled_newton_schulz()
-    rows, prof = [], []
-    totals = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        a, b = (torch.randn(2048, 2048, device=DEVICE).to(dtype) for _ in range(2))
-        [(gemm_cpu, _)] = cpu_and_wall([lambda: torch.mm(a, b)], args.repeats)
-        gemm_rate = 2 * 2048**3 / gemm_cpu
-        name = str(dtype).replace("torch.", "")
-        for batch, r, c in BANK:
-            G = torch.randn(batch, r, c, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-            flops = batch * ns_flops(r, c, STEPS)
-            m, n = min(r, c), max(r, c)
-            fns = [step_products(batch, m, n, dtype), lambda: newton_schulz(G, STEPS, "keller", dtype).contiguous()]
-            if compiled is not None:
-                fns.append(lambda: compiled(G, STEPS, "keller", dtype).contiguous())
-            res = cpu_and_wall(fns, args.repeats)
-            step_flops = batch * (4.0 * m * m * n + 2.0 * m**3)
-            prod_rate = step_flops / res[0][0]
-            ns_cpu, ns_wall = res[1]
-            ns_rate = flops / ns_cpu
-            row = [name, f"{batch}x{r}x{c}", gemm_rate / 1e12, prod_rate / 1e12, ns_rate / 1e12,
-                   f"{ns_rate / gemm_rate:.2f}", f"{ns_rate / prod_rate:.2f}", ns_cpu * 1e3, ns_wall * 1e3]
-            t = totals.setdefault(name, [0.0, 0.0, 0.0, gemm_rate])
-            t[0] += flops
-            t[1] += ns_cpu
-            if compiled is not None:
-                row += [flops / res[2][0] / 1e12, f"{res[2][0] / ns_cpu:.2f}"]
-                t[2] += res[2][0]
-            rows.append(row)
-            if DEVICE != "cpu":
-                continue  # the profile's self times are host times: meaningful on the CPU only
-            p = profile_rows(G, dtype)
-            total = sum(p.values())
-            prof.append([name, f"{batch}x{r}x{c}", total] + [f"{p[k] / total:.1%}" for k in ("GEMM", "copies", "norm",
-                                                                                                "other")])
-    for name, (flops, ns_cpu, comp_cpu, gemm_rate) in totals.items():
-        row = [name, "bank", gemm_rate / 1e12, "", flops / ns_cpu / 1e12, f"{flops / ns_cpu / gemm_rate:.2f}", "",
-               ns_cpu * 1e3, ""]
-        if compiled is not None:
-            row += [flops / comp_cpu / 1e12, f"{comp_cpu / ns_cpu:.2f}"]
-        rows.append(row)
-    headers = ["dtype", "stack", "GEMM 2048² TF/s", "step products TF/s", "NS TF/s", "NS/GEMM", "NS/products",
-               "NS CPU ms", "NS wall ms"]
-    if compiled is not None:
-        headers += ["compiled NS TF/s", "compiled/eager CPU"]
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    header(f"Newton–Schulz vs GEMM 2048² vs torch.optim.Muon's NS, {STEPS} Keller steps, {args.rounds} interleaved "
+           "rounds, medians of per-round ratios"+ (" (GPU: device time)" if DEVICE == "cuda" else
+                                                     ", one thread, process CPU time"))
+    print(f"ds_muon.ns_kernels: family {ns_kernels.family(DEVICE)}, table {ns_kernels.fingerprint()}\n")
+    if args.calibrate:
+        print_calibration(dtypes)
+    rows = []
+    for dtype in dtypes:
+        rows += roofline(dtype, args.rounds, with_gram=DEVICE == "cuda" and dtype == torch.bfloat16)
+    headers = ["dtype", "stack", "GEMM TF/s", "NS TF/s", "NS/GEMM", "bare bmm/GEMM", "batched/chosen", "torch/ds_muon",
+               "ds CPU ms", "ds wall ms", "torch CPU ms", "torch wall ms"]
+    if DEVICE == "cuda":
+        headers[8], headers[10] = "ds device ms", "torch device ms"
+        headers.insert(5, f"NS/peak {args.peak_tflops:g}")
+        headers += ["compiled/eager"] if COMPILED is not None else []
+        headers.append("Gram(fp16)/GEMM")
+        for r in rows:
+            r.insert(5, f"{r[3] / args.peak_tflops:.3f}")
+            r.extend([""] * (len(headers) - len(r)))
+    elif COMPILED is not None:
+        headers.append("compiled/eager")
     table(headers, rows)
-    if not prof:
-        return
-    print("Where eager NS spends its CPU time (torch.profiler self time, per NS call):\n")
-    table(["dtype", "stack", "ms", "GEMM", "copies", "norm", "other"], prof)
+    print("NS/GEMM: NS FLOP rate over the 2048² GEMM's; bare bmm/GEMM: one step's three products as plain bmm "
+          "(no scaled adds, no copies: the ceiling of any exact form) over the GEMM's; batched/chosen: the old all-batched NS time over the chosen "
+          "forms'; torch/ds_muon: torch.optim.Muon's NS time over ds_muon's (above 1: ds_muon faster).")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ allocates above what it started with.  Then the NS pipeline of ds_muon.offload o
 of same-shape matrices: whole vs chunked (on CPU: the chunk loop's overhead only).
 
     DS_ACCELERATOR=cpu python benchmarks/offload_step.py [--dim 512] [--layers 4] [--world 2]
+    python benchmarks/offload_step.py --device cuda --world 1     # one GPU
 """
 
 import argparse
@@ -79,9 +80,9 @@ def _worker(rank, world, dim, layers, steps):
     return rows
 
 
-def ns_pipeline(count, rows_, cols):
+def ns_pipeline(count, rows_, cols, device="cpu"):
     from ds_muon.compile import NSSettings
-    from ds_muon.offload import accelerator, run_ns, scratch_bytes
+    from ds_muon.offload import run_ns, scratch_bytes
 
     ns = NSSettings(5, "keller", torch.bfloat16, 1e-7, "standard")
     stack = torch.randn(count, rows_, cols)
@@ -91,8 +92,8 @@ def ns_pipeline(count, rows_, cols):
         times = []
         for _ in range(3):
             w, c = time.perf_counter(), time.process_time()
-            run_ns(ns.run, stack, torch.bfloat16, budget=budget)
-            if accelerator() is not None:
+            run_ns(ns.run, stack, torch.bfloat16, device=torch.device(device), budget=budget)
+            if device == "cuda":
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - w, time.process_time() - c))
         wall, cpu = min(times)
@@ -108,16 +109,27 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="cuda: DeepSpeed on the GPU over NCCL (one GPU per rank: --world 1 on one GPU); "
+                         "default: DS_ACCELERATOR, else cpu")
     args = ap.parse_args()
-    header("optimizer-state offload (DeepSpeed ZeRO-2, bf16, DsMuon)")
-    env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "TORCHDYNAMO_DISABLE": "1"}
+    device = args.device or ("cuda" if os.environ.get("DS_ACCELERATOR") == "cuda" else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("offload_step.py --device cuda: no CUDA device here")
+    if device == "cuda" and args.world > torch.cuda.device_count():
+        raise SystemExit(f"offload_step.py: --world {args.world} needs {args.world} GPUs, "
+                         f"{torch.cuda.device_count()} here (NCCL runs one rank per GPU)")
+    header(f"optimizer-state offload (DeepSpeed ZeRO-2, bf16, DsMuon, {device})")
+    env = {"DS_ACCELERATOR": device, "TORCHDYNAMO_DISABLE": "1"}
+    if device == "cuda":
+        env["DS_MUON_TEST_BACKEND"] = "nccl"  # dist_harness: NCCL, one GPU per rank
     rows = dist_harness.run(_worker, args.world, args.dim, args.layers, args.steps, timeout=900, env=env)[0]
     print(f"model: {args.layers} blocks of Linear({args.dim}, {4 * args.dim}) + Linear({4 * args.dim}, {args.dim}), "
           f"W={args.world}, rank 0's numbers")
     table(["run", "step wall ms", "step CPU ms", "state on device MiB", "state on host MiB",
            "step peak device MiB"], rows)
     print("NS of 16 matrices 1024x4096 (bf16), stack in host memory (ds_muon.offload.run_ns):")
-    table(["chunking", "wall ms", "CPU ms", "device scratch bound MiB"], ns_pipeline(16, 1024, 4096))
+    table(["chunking", "wall ms", "CPU ms", "device scratch bound MiB"], ns_pipeline(16, 1024, 4096, device))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""How much of the exchange overlap=True hides: FSDP2 at W=2, three settings side by side.
+"""How much of the exchange overlap=True hides: FSDP2 at W=2, four settings side by side.
 
 * ``overlap=False``: gathers, NS and scatters all inside ``step()``;
-* ``overlap=True, dispatch_in_backward=False``: waves pipelined in ``step()``, the
-  last scatters waited on in the next forward;
+* ``overlap=True, dispatch_in_backward=False``: waves pipelined in ``step()``;
 * ``overlap=True``: as above, and each wave's gather issued from backward as soon as
-  FSDP has reduce-scattered its gradients.
+  FSDP has reduce-scattered its gradients (every update landed when ``step()`` returns);
+* ``overlap=True, apply_in_forward=True`` (opt-in): as above, and the last scatters
+  waited on in the next forward.
 
 For each, the median over iterations (slowest rank) of the iteration time
 (forward + backward + step), of ``step()`` alone, and of the time a rank spends
@@ -30,6 +31,7 @@ SETTINGS = {
     "overlap=False": dict(overlap=False),
     "overlap=True, step-side only": dict(overlap=True, dispatch_in_backward=False),
     "overlap=True": dict(overlap=True),
+    "overlap=True, apply_in_forward": dict(overlap=True, apply_in_forward=True),
 }
 
 

@@ -32,8 +32,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from . import ns_kernels
 from .copies import copy_key, describe, holders
 from .extremes import Extremes
+from .identity import identity_of
+from .timeouts import flattened_group
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
@@ -80,19 +83,26 @@ def _plain(v: Any) -> Any:
 
 def settings_of(optimizer) -> Dict[str, Any]:
     """Everything that must be equal on every rank, as plain values (names for the error)."""
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {STEPPED: identity_of(optimizer)}  # which optimizer this is (several in one job)
     for k in ("mode", "planner", "waves", "comm_dtype", "nonfinite", "adam_betas", "adam_eps"):
         out[k] = _plain(getattr(optimizer, k, None))
     # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
     # type differs would plan other homes, so it must fail here, not in the exchange
     out["cost_model"] = repr(optimizer.planning_cost_model())
-    out["overlap"] = getattr(optimizer, "_deferred", None) is not None
+    # the NS kernel forms this process runs (ns_kernels: pinned, calibrated or the device family's
+    # table): duplicated homes must compute the same bits everywhere
+    out["ns_kernels"] = ns_kernels.fingerprint()
+    out["overlap"] = bool(getattr(optimizer, "overlap", False))
+    out["apply_in_forward"] = getattr(optimizer, "_deferred", None) is not None
     out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
     for gi, g in enumerate(optimizer.param_groups):
         for k, v in g.items():
             if k not in ("params", "param_names", "param_tags"):
                 out[f"param_groups[{gi}][{k!r}]"] = _plain(v)
     return out
+
+
+STEPPED = "optimizer"
 
 
 def settings_hash(settings: Dict[str, Any]) -> int:
@@ -105,7 +115,9 @@ def first_difference(everyone: List[Dict[str, Any]]) -> str:
     for k in keys:
         values = [s.get(k, "<missing>") for s in everyone]
         if any(v != values[0] for v in values[1:]):
-            return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+            hint = (" (the NS kernel forms: call ds_muon.ns_kernels.pin() alike on every rank, or calibrate() on "
+                    "every rank, which adopts rank 0's choices)") if k == "ns_kernels" else ""
+            return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)) + hint
     return "the settings hash differs, but no single setting does (a hash collision)"
 
 
@@ -213,6 +225,8 @@ class Agreement:
         if codes[nrows + 1] & DRIFT:
             everyone = [None] * world
             dist.all_gather_object(everyone, settings, group=group)
+            if len({s.get(STEPPED) for s in everyone}) > 1:
+                raise ValueError(_several_optimizers(everyone, group))
             raise ValueError(
                 f"ds_muon: optimizer settings differ between ranks: {first_difference(everyone)}; "
                 "every rank must build Muon with the same arguments and param groups, and change them alike")
@@ -328,6 +342,15 @@ def _copy_columns(everyone, n: int):
             yield j, column
 
 
+def _several_optimizers(everyone: List[Dict[str, Any]], group) -> str:
+    """The error for ranks stepping different optimizers at once (same text on every rank)."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    which = "; ".join(f"rank {r} steps {s.get(STEPPED)}" for r, s in zip(ranks, everyone))
+    return (f"ds_muon: the ranks are stepping different optimizers at once ({which}). With several Muon "
+            "optimizers in one job, every rank must build them in the same order and step them in the same "
+            "order (their collectives pair up by order). Nothing was changed")
+
+
 def _copies_differ(where: Rows, drift: List[int], items, name) -> str:
     """The error for copies of a shard whose gradients differ (named only now: it costs a mesh lookup)."""
     k, ranks = where.copies[drift[0] - where.main]
@@ -377,7 +400,7 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh.mesh_dim_names:  # the group the layouts plan in (integrations/fsdp2.py); DeviceMesh caches it
-        return mesh._flatten().get_group()
+        return flattened_group(mesh)  # with its mesh's timeout (ds_muon.timeouts)
     raise ValueError(
         f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)} without "
         "mesh_dim_names, not the whole world; build the mesh with mesh_dim_names, or pass Muon(..., process_group=) "

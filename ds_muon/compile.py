@@ -25,6 +25,7 @@ from .offload import HostNS, exchange_device, host_state
 from .newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients)
 from .planner import CostModel, MatrixTask, plan_multi_homes, replica_groups
+from .timeouts import new_group_like
 
 
 class NSSettings(NamedTuple):
@@ -136,8 +137,8 @@ class ExchangeGroups:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         world = dist.get_world_size()
-        wanted = [_ident(g) for g in groups]
-        wanted = [w for w in wanted if len(w[0]) > 1]
+        parents = {_ident(g): g for g in groups}  # a group made for these ranks inherits its timeout
+        wanted = [w for w in parents if len(w[0]) > 1]
         if whole_world:
             everyone = [None] * world
             dist.all_gather_object(everyone, wanted)
@@ -148,7 +149,8 @@ class ExchangeGroups:
             if (ranks, backend) not in self._made:
                 # new_group numbers ranks in sorted order; another order would move the exchange's ranks
                 ok = list(ranks) == sorted(ranks)
-                self._made[(ranks, backend)] = dist.new_group(list(ranks), backend=backend) if ok else None
+                self._made[(ranks, backend)] = new_group_like(list(ranks), backend, parents.get((ranks, backend))) \
+                    if ok else None
 
     def of(self, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
         """The exchange's group for a layout of ``group`` (``group`` itself when none was made)."""

@@ -52,7 +52,7 @@ from .planner import CostModel
 OPTIMIZER_TYPE = "DsMuon"
 # Muon keywords that are not settings (objects ds_muon fills in from the engine), or that
 # cannot apply under DeepSpeed (its gradients are final only inside its own reduction)
-_NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward", "adapter")
+_NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward", "apply_in_forward", "adapter")
 _GROUP_KEYS = ("adam_lr", "adam_weight_decay", "routers")
 _ENTRY_KEYS = ("adam_kernel",)  # entry settings that are neither Muon keywords nor group keys
 
@@ -102,6 +102,9 @@ def parse_params(params: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict
         if any(k in ("betas", "eps", "muon_lr", "ns_method", "max_grad_norm") for k in unknown):
             hint = (' (DeepSpeed\'s built-in Muon spells some of these differently: use "adam_betas", "adam_eps", '
                     '"lr", "ns_coefficients"; clip with the top-level "gradient_clipping")')
+        if "apply_in_forward" in unknown:
+            hint += (" (under DeepSpeed every update is applied inside step(): ZeRO copies the partitions into "
+                     "the model right after it)")
         if "dispatch_in_backward" in unknown:
             hint += (" (under DeepSpeed no gather can leave from backward: its gradients are final only inside "
                      'its own reduction; "overlap": true still pipelines the waves inside step())')

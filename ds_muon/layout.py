@@ -185,16 +185,18 @@ def build_layout(entries: List[Tuple[ParamBinding, MatrixSlot]], group=None) -> 
     else:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
+    first = everyone[0]  # every rank compares with rank 0: the same error on every rank
     for r, theirs in enumerate(everyone):
-        if [(k, s) for k, s, _ in theirs] != [(k, s) for k, s, _ in mine]:
-            ours = {(k, s) for k, s, _ in mine}
+        if [(k, s) for k, s, _ in theirs] != [(k, s) for k, s, _ in first]:
+            ours = {(k, s) for k, s, _ in first}
             diff = [k for k, s, _ in theirs if (k, s) not in ours] or [
-                k for k, s, _ in mine if (k, s) not in {(k2, s2) for k2, s2, _ in theirs}
+                k for k, s, _ in first if (k, s) not in {(k2, s2) for k2, s2, _ in theirs}
             ]
             raise ValueError(
-                f"ds_muon: rank {rank} and rank {r} describe different Muon matrices "
+                f"ds_muon: rank 0 and rank {r} describe different Muon matrices "
                 f"(first difference: {diff[:1] or 'order'}); every rank must build the optimizer "
-                "over the same model with the same param groups"
+                "over the same model with the same param groups (and, with several optimizers, step them "
+                "in the same order)"
             )
     matrices = []
     for i, (key, shape, _) in enumerate(mine):

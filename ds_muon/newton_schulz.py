@@ -16,6 +16,8 @@ from typing import Sequence, Tuple, Union
 
 import torch
 
+from . import ns_kernels
+
 Triple = Tuple[float, float, float]
 Coefficients = Union[str, Triple, Sequence[Triple]]
 
@@ -177,10 +179,35 @@ def newton_schulz(
     out_dtype = compute_dtype(method, dtype)
     method = resolve_method(method, G.size(-2), G.size(-1), steps, dtype, G.device.type)
     dtype = compute_dtype(method, dtype)
-    X = G.to(input_dtype(dtype))
+    rows, cols = G.size(-2), G.size(-1)
+    batch_shape = G.shape[:-2]
+    G3 = G.reshape(-1, rows, cols)
+    gram = method == "gram" and use_gram(rows, cols, steps)
+    # where a whole stack's workspace outgrows the caches, whole matrices at a time (ns_kernels):
+    # every matrix meets the same operations either way, so the bits do not change
+    chunk = None if gram or _compiling() else ns_kernels.chunk_matrices(
+        G.device.type, dtype, len(G3), min(rows, cols), max(rows, cols), steps)
+    if chunk is None or chunk >= len(G3):  # (compiled: no test on the symbolic batch size)
+        X = _orthogonalize(G3, per_step, norm_scale, eps, dtype, gram)
+        return X.reshape(*batch_shape, rows, cols).to(out_dtype)
+    out = torch.empty(G3.shape, dtype=out_dtype, device=G.device)
+    # one cast buffer and one workspace for every chunk (fresh pages per chunk cost page faults)
+    cast = G3.new_empty((chunk, rows, cols), dtype=input_dtype(dtype)) if G3.dtype != input_dtype(dtype) else None
+    ws = _workspace(chunk, min(rows, cols), max(rows, cols), dtype, G.device)
+    for k0 in range(0, len(G3), chunk):
+        k1 = min(len(G3), k0 + chunk)
+        X = _orthogonalize(G3[k0:k1], per_step, norm_scale, eps, dtype, gram,
+                           None if cast is None else cast[:k1 - k0], [w[:k1 - k0] for w in ws])
+        out[k0:k1].copy_(X)
+    return out.reshape(*batch_shape, rows, cols)
+
+
+def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dtype: torch.dtype,
+                   gram: bool, cast=None, ws=None) -> torch.Tensor:
+    """Cast, normalise and iterate a stack [batch, rows, cols]; the result in G's orientation.
+    ``cast`` (a buffer for the cast) and ``ws`` (the iteration's workspace) are reused across chunks."""
+    X = G.to(input_dtype(dtype)) if cast is None else cast.copy_(G)  # the same elementwise rounding
     fresh = X is not G  # the cast made a copy this function owns: normalise it in place
-    batch_shape = X.shape[:-2]
-    X = X.reshape(-1, X.size(-2), X.size(-1))
     norm = _frobenius_norm(X)
     if norm_scale != 1.0:
         norm = norm * norm_scale
@@ -191,13 +218,8 @@ def newton_schulz(
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
-    if method == "gram" and use_gram(X.size(-2), X.size(-1), steps):
-        X = _gram_iteration(X, per_step)
-    else:
-        X = _standard_iteration(X, per_step)
-    if tall:
-        X = X.mT
-    return X.reshape(*batch_shape, X.size(-2), X.size(-1)).to(out_dtype)
+    X = _gram_iteration(X, per_step) if gram else _standard_iteration(X, per_step, ws)
+    return X.mT if tall else X
 
 
 def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
@@ -211,17 +233,31 @@ def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=wide)
 
 
-def _standard_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
-    """X ← aX + (bA + cA²)X with A = XXᵀ, on [batch, m, n] with m <= n."""
+def _workspace(count: int, m: int, n: int, dtype: torch.dtype, device) -> list:
+    """A and B ([count, m, m]), then two X buffers ([count, m, n], contiguous whatever X's strides)."""
+    return [torch.empty((count, m, m), dtype=dtype, device=device) for _ in range(2)] + \
+        [torch.empty((count, m, n), dtype=dtype, device=device) for _ in range(2)]
+
+
+def _standard_iteration(X: torch.Tensor, per_step, ws=None) -> torch.Tensor:
+    """X ← aX + (bA + cA²)X with A = XXᵀ, on [batch, m, n] with m <= n, in a fixed workspace
+    (``ws`` from :func:`_workspace`, or a new one)."""
     b_, m, n = X.shape
-    A = X.new_empty((b_, m, m))
-    B = X.new_empty((b_, m, m))
-    bufs = [X.new_empty((b_, m, n)), X.new_empty((b_, m, n))]  # contiguous, whatever X's strides
+    A, B, *bufs = ws if ws is not None else _workspace(b_, m, n, X.dtype, X.device)
+    compiling = _compiling()
     for k, (a, b, c) in enumerate(per_step):
-        torch.bmm(X, X.mT, out=A)
-        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
-        X = torch.baddbmm(X, B, X, beta=a, out=bufs[k % 2])
+        # the forms this machine runs fastest (ns_kernels: all give the same bits); step 1 of a tall
+        # stack reads a transposed view, the later ones the contiguous workspace
+        f_gram, f_poly, f_apply = ns_kernels.forms_for(X, compiling)
+        ns_kernels.gram(X, A, f_gram)
+        ns_kernels.poly(A, b, c, B, f_poly)
+        X = ns_kernels.apply(X, B, a, bufs[k % 2], f_apply)
     return X
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def _restart_interval(dtype: torch.dtype, steps: int) -> int:
@@ -252,7 +288,11 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
             torch.bmm(X, X.mT, out=R)
             Q = None
         # Z = aI + bR + cR²; the sum aI + B cancels heavily, so it is formed in one rounding
-        torch.baddbmm(torch.add(R, eye, alpha=a / b).mul_(b) if b else eye * a, R, R, alpha=c, out=Z)
+        base = torch.add(R, eye, alpha=a / b).mul_(b) if b else eye * a
+        if c:
+            torch.baddbmm(base, R, R, alpha=c, out=Z)
+        else:  # no product for c = 0 (torch 2.13's CPU baddbmm(alpha=0) is wrong in bf16/fp16: ns_kernels.poly)
+            Z.copy_(base)
         Q = Z.clone() if Q is None else torch.bmm(Z, Q)
         if k + 1 < len(per_step):
             torch.bmm(Z, R, out=T)

@@ -16,7 +16,8 @@ The step's stages, in :meth:`Muon.step`'s order (every stack goes through the sa
 
 With ``overlap=True`` (:mod:`~ds_muon.overlap`) the exchange runs in waves; under
 FSDP2 a wave's momentum and gather may already have left during backward (its
-momentum committed after stage 1), and results may be applied by the next forward.
+momentum committed after stage 1).  Every update has landed when ``step()`` returns,
+unless ``apply_in_forward=True`` opts into applying them by the next forward.
 
 How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
 as :class:`~ds_muon.layout.ParamBinding` objects; nothing here depends on the stack.
@@ -37,6 +38,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from .agreement import Agreement, settings_of
 from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
+from .identity import next_ordinal
 from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
@@ -113,6 +115,7 @@ class Muon(Optimizer):
         overlap: bool = False,
         waves: int = 4,
         dispatch_in_backward: bool = True,
+        apply_in_forward: bool = False,
         adapter: Optional[StackAdapter] = None,
         log_summary: bool = True,
         compile: bool = False,
@@ -123,7 +126,9 @@ class Muon(Optimizer):
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of {list(NONFINITE)}")
         if planner not in STRATEGIES:
             raise ValueError(f"planner={planner!r} is unknown; use one of {list(STRATEGIES)}")
-        self.overlap_settings = OverlapSettings(bool(overlap), waves, bool(dispatch_in_backward))
+        self.overlap_settings = OverlapSettings(bool(overlap), waves, bool(dispatch_in_backward), apply_in_forward)
+        if apply_in_forward and model is None:
+            raise ValueError("apply_in_forward=True lands updates in the model's forward pre-hooks: pass model= too")
         self.mode = mode
         self.nonfinite = nonfinite
         self.adapter: StackAdapter = adapter if adapter is not None else default_adapter()
@@ -147,6 +152,7 @@ class Muon(Optimizer):
             extra_scale_factor=extra_scale_factor, use_muon=True,
         )
         super().__init__(params, defaults)
+        self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.identity)
 
     def _reset_runtime(self) -> None:
         """Caches and hooks, all rebuilt lazily: bindings, layouts, compiled exchanges, and
@@ -181,6 +187,11 @@ class Muon(Optimizer):
     @property
     def dispatch_in_backward(self) -> bool:
         return self.overlap_settings.dispatch_in_backward
+
+    @property
+    def apply_in_forward(self) -> bool:
+        """Updates may wait for the next forward (opt-in; see :mod:`ds_muon.overlap.forward`)."""
+        return self.overlap_settings.apply_in_forward
 
     # -- copies, pickling and loading --------------------------------------------
     _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",
@@ -226,6 +237,7 @@ class Muon(Optimizer):
             self.model = self.process_group = None
             self.adapter, self._adapter_chosen = default_adapter(), False
             self._not_carried = tuple(sorted(set(lost) - {"model"}))
+            self._ordinal = next_ordinal(self.param_groups)  # a copy is one more optimizer of this process
             self._reset_runtime()
         self._upgrade_groups()
 

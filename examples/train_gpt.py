@@ -6,7 +6,7 @@ One script, every stack:
     torchrun --nproc_per_node 2 examples/train_gpt.py --stack ddp|fsdp1|fsdp2
     deepspeed --num_gpus 2 examples/train_gpt.py --stack deepspeed      # or torchrun
     ... --optimizer ds_muon|adamw|deepspeed_muon --steps 200 --save ckpt/ --resume ckpt/
-    ... --overlap      # ds_muon's exchange hidden behind backward and the next forward
+    ... --overlap      # ds_muon's exchange hidden behind backward (waves pipelined in step())
 
 Every step draws one *global* batch (seeded by step) and each rank takes its
 slice, so runs at different world sizes see the same data; the single-process
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     ap.add_argument("--fsdp1-orig-params", action="store_true", help="FSDP1 with use_orig_params=True")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (FSDP2 MixedPrecisionPolicy / DeepSpeed bf16)")
     ap.add_argument("--overlap", action="store_true",
-                    help="ds_muon overlap=True: gathers sent from backward (FSDP2), updates applied in the next forward")
+                    help="ds_muon overlap=True: waves pipelined in step(), gathers sent from backward (FSDP2)")
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     ap.add_argument("--ds-config", default=None, help="DeepSpeed JSON (default: configs/deepspeed/zero<stage>.json)")
     ap.add_argument("--out", default="runs/train_gpt")

@@ -101,8 +101,8 @@ def test_an_adapter_that_applies_in_step_turns_deferred_updates_off():
     for kind in ("default", "in_step"):
         model = _mlp()
         adapter = None if kind == "default" else _AppliesInStep(lambda p, n, c: bind_replicated(p, n))
-        opt = ds_muon.Muon(ds_muon.muon_param_groups(model), overlap=True, model=model, adapter=adapter,
-                           ns_dtype=torch.float32)
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model), overlap=True, apply_in_forward=True, model=model,
+                           adapter=adapter, ns_dtype=torch.float32)
         before = model[0].weight.detach().clone()
         _grads(model, 0)
         opt.step()

@@ -12,6 +12,7 @@ from ds_muon import agreement
 from ds_muon.planner import CostModel
 
 import dist_harness
+import test_ns_kernels
 
 
 def test_hashes_differ_exactly_when_contributions_differ():
@@ -92,6 +93,7 @@ def _agreement_worker(rank, world):
         opt = ds_muon.Muon(_groups(ps), cost_model=chosen if rank == 1 else None)
         _set_grads(ps, 0)
         out[key] = _attempt(opt, ps)
+    out["ns_kernels"] = test_ns_kernels.kernels_worker(rank)  # NS kernel choices: pinned apart, then calibrated
     return out
 
 
@@ -111,6 +113,7 @@ def test_settings_and_replicas_checked_on_every_rank():
         kind, msg, unchanged = out["other_rates"]
         assert kind == "ValueError" and unchanged and msg.startswith("ds_muon: optimizer settings differ between ranks: "
                                                                      'cost_model is "CostModel(flops_per_s=500000000000.0')
+    test_ns_kernels.check_kernels_agreed([out["ns_kernels"] for out in results])
     # momentum from the one good step only, and equal on both ranks
     assert results[0]["drift"][3] == results[1]["drift"][3] > 0
 

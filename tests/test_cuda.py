@@ -152,10 +152,10 @@ def _reference(device, steps=None, mixed_precision=False, comm_dtype=None):
 
 def _wrap(stack, model, world, device, opts):
     """(model to call, Muon) for ``stack`` in "ddp", "fsdp1", "fsdp2", "hsdp" with ``opts``:
-    overlap, prefetch (FSDP forward prefetch), mixed_precision (bf16 params), comm_dtype."""
+    overlap, apply_in_forward, prefetch (FSDP forward prefetch), mixed_precision (bf16 params), comm_dtype."""
     groups = ds_muon.muon_param_groups(model, adam_lr=1e-2)
     muon = dict(ns_dtype=torch.float32, overlap=opts.get("overlap", False), waves=3,
-                comm_dtype=opts.get("comm_dtype"))
+                apply_in_forward=opts.get("apply_in_forward", False), comm_dtype=opts.get("comm_dtype"))
     if stack == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -257,10 +257,10 @@ STACKS = {  # name: (stack, options, world)
     "ddp": ("ddp", {}, WORLD),
     "ddp_overlap": ("ddp", dict(overlap=True), WORLD),
     "fsdp1": ("fsdp1", {}, WORLD),
-    "fsdp1_prefetch_overlap": ("fsdp1", dict(prefetch=True, overlap=True), WORLD),
-    "fsdp2_prefetch_overlap": ("fsdp2", dict(prefetch=True, overlap=True), WORLD),
+    "fsdp1_prefetch_overlap": ("fsdp1", dict(prefetch=True, overlap=True, apply_in_forward=True), WORLD),
+    "fsdp2_prefetch_overlap": ("fsdp2", dict(prefetch=True, overlap=True, apply_in_forward=True), WORLD),
     "hsdp": ("hsdp", {}, 4),
-    "hsdp_overlap": ("hsdp", dict(overlap=True), 4),
+    "hsdp_overlap": ("hsdp", dict(overlap=True, apply_in_forward=True), 4),
 }
 
 
@@ -358,7 +358,7 @@ def _gather_stream_probe_worker(rank, world, stack):
     from test_overlap import batch, make_model
 
     dev = _device()
-    model, opt = _wrap(stack, make_model().to(dev), world, dev, dict(overlap=True))
+    model, opt = _wrap(stack, make_model().to(dev), world, dev, dict(overlap=True, apply_in_forward=True))
     unit = model[2] if stack == "fsdp2" else model.module[2]
     seen, armed = [], []
 

@@ -357,10 +357,13 @@ def test_params_accept_every_muon_keyword_from_json():
     import inspect
 
     muon_kw = set(inspect.signature(ds_muon.Muon.__init__).parameters) - {"self", "params", "process_group", "model",
-                                                                          "dispatch_in_backward", "adapter"}
+                                                                          "dispatch_in_backward", "apply_in_forward",
+                                                                          "adapter"}
     assert muon_kw <= set(ds_muon_deepspeed.accepted_params())
     with pytest.raises(ValueError, match="no gather can leave from backward"):
         ds_muon_deepspeed.parse_params({"overlap": True, "dispatch_in_backward": True})
+    with pytest.raises(ValueError, match="applied inside step"):
+        ds_muon_deepspeed.parse_params({"overlap": True, "apply_in_forward": True})
     kw, group_kw = ds_muon_deepspeed.parse_params(json.loads(json.dumps({
         "lr": 0.01, "adam_lr": 1e-3, "ns_dtype": "bfloat16", "comm_dtype": "float32", "adam_betas": [0.8, 0.9],
         "ns_coefficients": [[3.4445, -4.775, 2.0315]], "cost_model": {"flops_per_s": 1e12, "bytes_per_s": 1e9},

@@ -131,7 +131,7 @@ def test_train_gpt_fsdp2_resume(tmp_path):
 
 
 def test_train_gpt_fsdp2_overlap_is_bitwise(tmp_path):
-    """--overlap (gathers from backward, updates in the next forward) ends on the very same eval
+    """--overlap (gathers from backward, waves pipelined in step()) ends on the very same eval
     loss as the plain run, evaluations in between included."""
     pytest.importorskip("tqdm")
     pytest.importorskip("matplotlib")

@@ -105,7 +105,7 @@ def record(model, opt, batch=None):
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=True)
-        opt.flush()  # overlap=True lands updates in the next forward
+        opt.flush()  # a no-op unless apply_in_forward=True
         params.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
     return grads, params
 

@@ -1,4 +1,5 @@
-"""overlap=True: gathers issued from backward, waves pipelined with NS, updates applied by the next forward.
+"""overlap=True: gathers issued from backward, waves pipelined with NS; with apply_in_forward=True
+(opt-in) updates applied by the next forward.
 
 Always bitwise equal to overlap=False; deferred updates are applied before any
 module uses its parameters, before state dicts are taken, and at the next step;
@@ -58,7 +59,7 @@ def run_pair(ns_dtype=torch.float32, **kw):
     ref, ovl = make_model(), make_model()
     o_ref = ds_muon.Muon(ds_muon.muon_param_groups(ref, adam_lr=1e-2), ns_dtype=ns_dtype, **kw)
     o_ovl = ds_muon.Muon(ds_muon.muon_param_groups(ovl, adam_lr=1e-2), ns_dtype=ns_dtype, overlap=True,
-                         waves=3, model=ovl, **kw)
+                         waves=3, model=ovl, apply_in_forward=True, **kw)
     return ref, o_ref, ovl, o_ovl
 
 
@@ -238,7 +239,7 @@ def _ddp_worker(rank, world, overlap, skip_forward_on_rank1):
     # planner="locality": one home per matrix, so one scatter per wave is counted (the default "auto"
     # may duplicate NS on DDP replicas and move nothing: tests/test_ddp_homes.py)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=torch.float32,
-                       overlap=overlap, waves=3, model=model, planner="locality")
+                       overlap=overlap, waves=3, model=model, planner="locality", apply_in_forward=overlap)
     counts = None
     for t in range(STEPS):
         x, y = batch(t)
@@ -289,7 +290,7 @@ def _fsdp2_worker(rank, world, overlap, variant="plain", ns_dtype=torch.float32)
         fully_shard(model[i], mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=ns_dtype,
-                       overlap=overlap, waves=3, model=model)
+                       overlap=overlap, waves=3, model=model, apply_in_forward=overlap)
     storages = [p.to_local().data_ptr() for p in model.parameters()]
     losses, in_backward = [], []
     micro = 2 if variant in ("no_sync", "reduce_every") else 1
@@ -426,7 +427,8 @@ def _prefetch_worker(rank, world, overlap, kinds):
     out = {}
     for kind in kinds:
         model, groups, owner = _prefetch_model(kind, world)
-        opt = ds_muon.Muon(groups, ns_dtype=torch.float32, overlap=overlap, waves=3, model=owner)
+        opt = ds_muon.Muon(groups, ns_dtype=torch.float32, overlap=overlap, waves=3, model=owner,
+                           apply_in_forward=overlap)
         losses, pending = [], []
         for t in range(STEPS + 1):  # the last forward runs on the third step's deferred updates
             pending.append(opt._deferred.pending if opt._deferred is not None else 0)

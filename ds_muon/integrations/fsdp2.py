@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..layout import _DTENSOR, MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..slots import block_slots, logical_blocks
 from ..tags import EXPERTS, is_tagged, is_transposed
+from ..timeouts import flattened_group
 from .base import BindContext
 
 
@@ -196,7 +197,7 @@ def _mesh_group(mesh, name: str):
             f"ds_muon: {name} lives on a {mesh.ndim}-D DeviceMesh without mesh_dim_names that does not span "
             "the world; give the mesh mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)) so its ranks can "
             "be flattened into one process group, or put this tensor in an AdamW group (use_muon=False)")
-    return mesh._flatten().get_group(0)  # DeviceMesh caches it: one group per mesh
+    return flattened_group(mesh)  # DeviceMesh caches it: one group per mesh (with its mesh's timeout)
 
 
 def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:

@@ -1,14 +1,30 @@
-"""Updates applied in the next forward: results land while it runs.
+"""Updates applied in the next forward (opt-in: ``apply_in_forward=True``).
 
-With ``Muon(..., overlap=True, model=model)`` the step issues every wave's
-exchange and runs NS as waves arrive, but does not wait for the last scatters:
-each wave's update is applied by a forward pre-hook of the module that uses its
-parameters, just before they are needed (for FSDP, before the unit all-gathers
-its shards).  Anything still pending is applied at the next ``step()``,
-``flush()``, ``state_dict()``, or when the model's ``state_dict()`` is taken, so
-nothing ever reads a stale parameter through those paths.  Waiting needs no new
-collective — every exchange was issued in ``step()`` in the same order on every
-rank — so a rank that never runs some module's forward cannot deadlock the others.
+With ``Muon(..., overlap=True, apply_in_forward=True, model=model)`` the step issues
+every wave's exchange and runs NS as waves arrive, but does not wait for the last
+scatters: each wave's update is applied by a forward pre-hook of a module that uses
+its parameters, just before they are needed (for FSDP, before the unit all-gathers
+its shards).
+
+The contract: a pending update lands before
+
+* the forward of any module that owns the parameter (each owner of a tied weight,
+  whichever runs first), or of the FSDP unit that gathers it;
+* the next ``step()``, ``flush()``, the optimizer's ``state_dict()`` or
+  ``load_state_dict()``;
+* ``state_dict()`` or ``load_state_dict()`` of the model or of *any* of its submodules
+  (so a checkpoint, and a rollback that loads the model first, see exactly the
+  weights ``overlap=False`` gives).
+
+Every other read must call ``opt.flush()`` first: ``parameters()`` read directly
+(EMA/SWA, weight norms, clipping by weight norm, ``torch.save`` of parameters), a
+parent module reading a child's weight in its own forward (``F.linear(h,
+self.dec.weight)``), FSDP's ``summon_full_params`` or a manual ``unshard()``.
+Without ``apply_in_forward`` nothing is deferred and every read sees the update.
+
+Waiting needs no new collective — every exchange was issued in ``step()`` in the
+same order on every rank — so a rank that never runs some module's forward cannot
+deadlock the others.
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Set
 import torch
 from torch import nn
 
-from .units import all_gather_streams, fsdp1_units_by_handle, fsdp_units, gathered_in_pre_forward, hook_owner
+from .units import all_gather_streams, fsdp1_units_by_handle, fsdp_units, gathered_in_pre_forward, hook_owners
 
 
 class _Pending(NamedTuple):
@@ -41,12 +57,13 @@ class DeferredApply:
     def __init__(self, model: nn.Module):
         self.model = model
         self._pending: List[_Pending] = []
-        self._owner: Dict[int, nn.Module] = {}
+        self._owner: Dict[int, List[nn.Module]] = {}
         self._members: Dict[int, Set[int]] = {}  # id(module) -> ids of the parameters it owns
         self._units: Set[int] = set()  # ids of the model's FSDP units
         self._fsdp1_by_handle: Dict[int, nn.Module] = {}
         self._hooked: Dict[int, object] = {}
-        self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.flush())
+        self._state_hooks: list = []  # state_dict / load_state_dict pre-hooks on every module
+        self._state_hook = _first(model._state_dict_pre_hooks, model.register_state_dict_pre_hook(self._flush_hook))
 
     def add(self, param_ids: List[int], apply: Callable[[], None], params: List[torch.Tensor]) -> None:
         device = next((p.device for p in params if p.is_cuda), None)
@@ -54,25 +71,37 @@ class DeferredApply:
         if not self._owner:
             self._learn_owners()
         for p in params:
-            mod = self._owner.get(id(p))
-            if mod is None:
+            mods = self._owner.get(id(p))
+            if not mods:
                 # a tensor the model does not own (swapped by a stack): nothing would apply it in time
                 self.flush()
                 return
-            self._hook(mod)
+            for mod in mods:
+                self._hook(mod)
 
     def _learn_owners(self) -> None:
-        """Who owns which parameter, and a hook on every FSDP unit (a unit may prefetch
-        others while owning no pending parameter itself)."""
-        self._owner = hook_owner(self.model)
+        """Who owns which parameter, a hook on every FSDP unit (a unit may prefetch others
+        while owning no pending parameter itself), and state_dict / load_state_dict
+        pre-hooks on every module (a submodule's checkpoint, a rollback)."""
+        self._owner = hook_owners(self.model)
         self._members = {}
-        for pid, mod in self._owner.items():
-            self._members.setdefault(id(mod), set()).add(pid)
+        for pid, mods in self._owner.items():
+            for mod in mods:
+                self._members.setdefault(id(mod), set()).add(pid)
         self._fsdp1_by_handle = fsdp1_units_by_handle(self.model)
         units = fsdp_units(self.model)
         self._units = {id(u) for u in units}
         for unit in units:
             self._hook(unit)
+        flush = self._flush_hook
+        for mod in self.model.modules():
+            self._state_hooks.append(_first(mod._state_dict_pre_hooks, mod.register_state_dict_pre_hook(flush)))
+            self._state_hooks.append(
+                _first(mod._load_state_dict_pre_hooks, mod.register_load_state_dict_pre_hook(flush)))
+
+    def _flush_hook(self, *args, **kwargs) -> None:
+        if self._pending:
+            self.flush()
 
     def _hook(self, mod: nn.Module) -> None:
         if id(mod) not in self._hooked:
@@ -120,10 +149,18 @@ class DeferredApply:
     def reset_owners(self) -> None:
         """Forget hook targets (after the model's parameters were swapped)."""
         self.flush()
-        for h in self._hooked.values():
+        for h in list(self._hooked.values()) + self._state_hooks:
             h.remove()
         self._hooked.clear()
+        self._state_hooks = []
         self._owner, self._members, self._units, self._fsdp1_by_handle = {}, {}, set(), {}
+
+
+def _first(hooks, handle):
+    """Run this hook before the module's others: FSDP1's state_dict pre-hook all-gathers the
+    shards (and FSDP2's may swap parameters), so the update must land before it."""
+    hooks.move_to_end(handle.id, last=False)
+    return handle
 
 
 def _gathers_wait(units: List[nn.Module], devices: Set[torch.device]) -> None:

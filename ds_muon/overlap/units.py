@@ -44,6 +44,28 @@ def hook_owner(model: nn.Module) -> Dict[int, nn.Module]:
     return owner
 
 
+def hook_owners(model: nn.Module) -> Dict[int, List[nn.Module]]:
+    """For each parameter (by id), every module whose pre-forward may be the first to need it
+    up to date: the innermost FSDP unit (else the module) above *each* module that owns it
+    (a tied weight has several, run in any order), and under FSDP2 the unit whose parameter
+    group all-gathers it (a weight shared by two units is managed by a common ancestor)."""
+    owners: Dict[int, List[nn.Module]] = {}
+
+    def add(pid: int, mod: nn.Module) -> None:
+        lst = owners.setdefault(pid, [])
+        if all(m is not mod for m in lst):
+            lst.append(mod)
+
+    for p, unit, mod in _walk(model):
+        add(id(p), unit if unit is not None else mod)
+    for unit in fsdp_units(model):
+        if _is_fsdp2(unit):
+            group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+            for fp in getattr(group, "fsdp_params", ()) if group is not None else ():
+                add(id(fp.sharded_param), unit)
+    return owners
+
+
 def fsdp_units(model: nn.Module) -> List[nn.Module]:
     """Every FSDP unit in ``model`` (FSDP2 modules and FSDP1 wrappers), in module order."""
     units = _fsdp_units()

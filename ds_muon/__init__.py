@@ -7,11 +7,12 @@ from .param_groups import muon_param_groups
 from .planner import CostModel, MatrixTask, Plan, plan_homes
 from .scaling import get_muon_scale_factor
 from .tags import domain, expert_weight, split_rows, tensor_parallel, transposed
+from .unwrap import find_muon
 
 __all__ = [
     "Muon", "muon_param_groups", "newton_schulz", "get_muon_scale_factor",
     "Layout", "MatrixSlot", "ParamBinding", "Piece", "CostModel", "MatrixTask", "Plan", "plan_homes",
-    "split_rows", "tensor_parallel", "expert_weight", "domain", "transposed",
+    "split_rows", "tensor_parallel", "expert_weight", "domain", "transposed", "find_muon",
 ]
 __version__ = "0.1.0"
 
@@ -22,5 +23,5 @@ def __getattr__(name):
     if name in ("deepspeed", "accelerate", "trainer"):
         import importlib
 
-        return importlib.import_module(".deepspeed", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'ds_muon' has no attribute {name!r}")

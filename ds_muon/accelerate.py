@@ -36,6 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .optimizer import Muon
+from .unwrap import find_muon as _find_muon
 from .param_groups import muon_param_groups
 
 __all__ = ["Accelerator", "prepare", "find_muon", "split_settings"]
@@ -102,12 +103,9 @@ def build_muon(model: torch.nn.Module, settings: Dict[str, Any]) -> Muon:
 
 
 def find_muon(optimizer) -> Optional[Muon]:
-    """The :class:`ds_muon.Muon` inside accelerate's / DeepSpeed's optimizer wrappers (or None)."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, Muon) and seen < 8:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer if isinstance(optimizer, Muon) else None
+    """The :class:`ds_muon.Muon` inside accelerate's / DeepSpeed's optimizer wrappers (or None);
+    :func:`ds_muon.find_muon` is the same search, raising when there is none."""
+    return _find_muon(optimizer, required=False)
 
 
 # -- the call ---------------------------------------------------------------------------------------

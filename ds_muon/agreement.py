@@ -15,7 +15,12 @@ ride in it and need no collective of their own:
   so a difference would be lost silently.  Each group of copies gets a row of its
   own, fingerprinted by its members only (:mod:`~ds_muon.copies`);
 * **settings agree** — NS steps, dtypes, planner, learning rates … must be equal
-  on every rank, or the exchange sizes or the updates differ.
+  on every rank, or the exchange sizes or the updates differ;
+* **local checks fail everywhere** — a check of this rank's own input before the
+  agreement (a setting edited into ``param_groups``, a loaded state that does not fit,
+  a sparse gradient) that fails on some ranks only is flagged in the table
+  (:class:`LocalFailure`): the failing ranks re-raise their error, the others raise
+  one naming them, instead of waiting in the all_reduce for the group's timeout.
 
 Each rank contributes, per row, ``(1, h, h²)`` for a 16-bit hash ``h``; after the
 sum, all contributions were equal exactly when ``n·Σh² == (Σh)²`` (equality in
@@ -182,13 +187,16 @@ class Agreement:
         return group, dist.get_world_size(group)
 
     def check(self, items, name: Callable[[int, int], str], group, world: int, settings: Optional[Dict[str, Any]],
-              early=None) -> Verdict:
+              early=None, failed: Optional[Exception] = None) -> Verdict:
         """Agree on ``items`` (``(group index, tensor index, tensor)``) with every rank.
 
         ``name(gi, pi)`` names a tensor for errors; ``settings`` (when ``world > 1``) are this
         rank's :func:`settings_of`.  ``early`` (the backward dispatch, or None) answers
         ``stale(minmax)`` locally; when any rank finds it stale, every rank calls its ``redo()``.
+        ``failed``: this rank's failed local check (see :class:`LocalFailure`), raised on every rank.
         """
+        if failed is not None and world == 1:
+            raise failed
         key = tuple(id(p) for _, _, p in items)
         where = self._rows_for(items, name, group, world, key)
         rows, hash_at, nrows, names = where.rows, where.hash_at, where.count, where.names
@@ -203,7 +211,12 @@ class Agreement:
                 continue
             lg = g._local_tensor if isinstance(g, _DTENSOR) else g  # local_data, inline
             if lg.is_sparse:
-                raise ValueError(f"ds_muon: {name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
+                sparse = ValueError(
+                    f"ds_muon: {name(gi, pi)} has a sparse gradient; Muon and AdamW here need dense ones")
+                if world == 1:
+                    raise sparse
+                failed = failed or sparse  # raised after the all_reduce, on every rank
+                continue
             has.append(rows[i])
             if lg.numel():
                 grads.append(lg)
@@ -216,12 +229,15 @@ class Agreement:
         # or a flag still on the device), and every rank's settings, hashed
         stale = early is not None and early.stale(_RowsById(ids, mm))
         extra = [[0] * COLUMNS, hashed_row(settings_hash(settings)) if world > 1 else [0] * COLUMNS]
+        extra[0][FAILED_AT] = int(failed is not None)
         grads_on = mm.device if mm is not None else torch.device("cpu")
         device = _comm_device(group, grads_on) if world > 1 else grads_on
         table = _on_device(nrows, has, missing, extra, checks, mm, hashed, stale, device, bool(where.copies))
         if world > 1:
             dist.all_reduce(table, group=group)
         codes = _summary(table, nrows).tolist()  # the step's one device-to-host read
+        if codes[nrows] & FAILED:  # first: a bad setting on one rank also reads as settings drift
+            LocalFailure.raise_everywhere(failed, group, world)
         if codes[nrows + 1] & DRIFT:
             everyone = [None] * world
             dist.all_gather_object(everyone, settings, group=group)
@@ -366,6 +382,46 @@ def _copies_differ(where: Rows, drift: List[int], items, name) -> str:
         "micro-batch you step on. Nothing was changed")
 
 
+class LocalFailure:
+    """A ds_muon check of this rank's own input, before the step's agreement, that must fail on
+    every rank: a setting edited into one rank's ``param_groups``, a state loaded on one rank that
+    does not fit, a sparse gradient.  Raised at once on that rank alone, it would leave the others
+    waiting in the agreement's all_reduce until the group's timeout.  Instead the rank goes on to
+    the agreement (writing nothing) and flags it in the table; after the sum the failing ranks
+    re-raise their own error and the others raise one of the same type naming them (their
+    messages gathered only then).  The good path costs no collective.
+    """
+
+    KINDS = (ValueError, TypeError, RuntimeError)  # what ds_muon's checks raise
+
+    @staticmethod
+    def catch(check: Callable[[], Any]) -> Optional[Exception]:
+        """Run ``check``: its error is returned to be carried to the agreement when other ranks may
+        be waiting there (a process group is up), raised at once otherwise (one process)."""
+        try:
+            check()
+        except LocalFailure.KINDS as e:
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+                raise
+            return e
+        return None
+
+    @staticmethod
+    def raise_everywhere(failed: Optional[Exception], group, world: int) -> None:
+        """After the sum, on every rank: some rank flagged a failed check."""
+        mine = None if failed is None else (type(failed), str(failed))
+        everyone: List[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        if failed is not None:
+            raise failed
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        bad = [(r, e) for r, e in zip(ranks, everyone) if e is not None]
+        kind = next((k for k in LocalFailure.KINDS if issubclass(bad[0][1][0], k)), RuntimeError)
+        raise kind(
+            f"ds_muon: a check before the step failed on rank(s) {[r for r, _ in bad]}; nothing was changed on any "
+            "rank. " + "; ".join(f"rank {r}: {message}" for r, (_, message) in bad))
+
+
 def _is_replica(p: torch.Tensor) -> bool:
     """Does every rank of the agreement group hold all of ``p`` (no wrapper, DDP, DeepSpeed stage 0)?
 
@@ -446,22 +502,25 @@ def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[
     return table
 
 
-# bits of each row's code in the summary the host reads (see _summary)
-ACTIVE, CONFLICT, DRIFT, NONFINITE_BIT, STALE = 1, 2, 4, 8, 1
+# bits of each row's code in the summary the host reads (see _summary); the stale row's
+# column FAILED_AT counts the ranks whose local checks failed (LocalFailure)
+ACTIVE, CONFLICT, DRIFT, NONFINITE_BIT, STALE, FAILED = 1, 2, 4, 8, 1, 2
+FAILED_AT = NO_GRAD
 
 
 def _summary(table: torch.Tensor, nrows: int) -> torch.Tensor:
     """The reduced table as one code per row, computed on its device: ACTIVE (a gradient on some
     rank), CONFLICT (a gradient on some ranks, none on others), DRIFT (the ranks that hashed the
     row hashed it differently; not for non-finite rows), NONFINITE_BIT.  The stale row reads as
-    its flag, the settings row as DRIFT when the settings differ; one more code, last, is nonzero
+    its flag (STALE) and FAILED when some rank's local check failed, the settings row as DRIFT
+    when the settings differ; one more code, last, is nonzero
     when any row has CONFLICT or DRIFT."""
     n, s, q = table[:, N_HASHED], table[:, HASH], table[:, HASH_SQ]
     differ = (n > 1) & (n * q != s * s)
     has, nonfinite = table[:, HAS_GRAD] > 0, table[:, NONFINITE] > 0
     codes = (has.long() | ((has & (table[:, NO_GRAD] > 0)).long() << 1) | ((differ & ~nonfinite).long() << 2)
              | (nonfinite.long() << 3))
-    codes[nrows] = (table[nrows, 0] != 0).long()
+    codes[nrows] = (table[nrows, 0] != 0).long() | ((table[nrows, FAILED_AT] != 0).long() << 1)
     problems = (codes[:nrows] & (CONFLICT | DRIFT)).amax(dim=0, keepdim=True) if nrows else codes[:1] * 0
     return torch.cat([codes, problems])
 

@@ -23,6 +23,41 @@ from typing import List, Optional, Sequence, Tuple
 from . import costs
 from .planner import EXCHANGES, CostModel, ranks_per_node_from_env
 
+MAX_WORLD_SIZE = 65536  # llama-7b's table at 65536 ranks: ~25 s and ~0.7 GB here; beyond, the planner's inputs outgrow memory
+MAX_NS_STEPS = 100
+
+
+def _bounded(kind, name: str, low, high=None, strict: bool = False):
+    """An argparse ``type``: a finite ``kind`` in [low, high] ((low, high] if ``strict``), else a clear error."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        ok = v == v and v not in (float("inf"), float("-inf")) and (v > low if strict else v >= low)
+        if ok and high is not None:
+            ok = v <= high
+        if not ok:
+            span = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{name} must be a finite {'integer' if kind is int else 'number'} "
+                                             f"{span}, got {text!r}")
+        return v
+    return parse
+
+
+def _mesh_spec(text: str) -> str:
+    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.costs.parse_mesh` reads, of at most
+    :data:`MAX_WORLD_SIZE` ranks."""
+    try:
+        _, outer, inner = costs.parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if outer * inner > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: {outer * inner} ranks; at most {MAX_WORLD_SIZE}")
+    return text
+
+
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 ALL_STRATEGIES = costs.STRATEGIES
 DEFAULT_WORLD_SIZES = [8, 64, 512, 4096]
@@ -189,6 +224,16 @@ def cmd_shapes(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from . import convert as cv
+
+    settings = cv._settings_from(args.set or []) or None
+    out = cv.convert(args.src, args.dst, cv.load_factory(args.model), to=args.to, source=args.source,
+                     settings=settings, config=args.config, fresh=args.fresh)
+    print(json.dumps({"converted": os.fspath(args.src), "to": args.to, "out": os.fspath(out)}))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="ds-muon", description="ds_muon tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -199,25 +244,25 @@ def main(argv=None) -> int:
     src.add_argument("--shapes", help='JSON: {"matrices": [{"name": ..., "shape": [rows, cols]}, ...]}')
     src.add_argument("--summary", help="JSON of a run's Muon.summary().save(PATH): its matrices, at its world size "
                                        "with what each rank held (and at --world-sizes if given)")
-    p.add_argument("--world-sizes", type=int, nargs="+", help=f"default {DEFAULT_WORLD_SIZES} (none with --summary)")
+    p.add_argument("--world-sizes", type=_bounded(int, "--world-sizes", 1, MAX_WORLD_SIZE), nargs="+", help=f"default {DEFAULT_WORLD_SIZES} (none with --summary)")
     p.add_argument("--layout", choices=["replicated", "partitioned"], default="partitioned",
                    help="replicated: DDP; partitioned: ZeRO-1/2 or FSDP1 flat shards")
     p.add_argument("--strategies", nargs="+", choices=ALL_STRATEGIES + costs.OPTIONAL, default=list(ALL_STRATEGIES),
                    help="default: all ('auto' is the optimizer's default planner='auto')")
-    p.add_argument("--ns-steps", type=int, default=5)
-    p.add_argument("--tflops", type=float, default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
-    p.add_argument("--link-gbps", type=float, default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
+    p.add_argument("--ns-steps", type=_bounded(int, "--ns-steps", 1, MAX_NS_STEPS), default=5)
+    p.add_argument("--tflops", type=_bounded(float, "--tflops", 0, strict=True), default=400.0, help="NS matmul TFLOP/s per rank (default: H100/H200-like bf16)")
+    p.add_argument("--link-gbps", type=_bounded(float, "--link-gbps", 0, strict=True), default=400.0, help="all_to_all Gbit/s per rank (default: 400, one NIC)")
     p.add_argument("--offload", action="store_true",
                    help="optimizer state in host memory (ZeRO-Offload, FSDP2 CPUOffloadPolicy): add each rank's "
                         "host<->device copies of its pieces and results (column max_host_bytes)")
-    p.add_argument("--pcie-gbps", type=float, default=400.0,
+    p.add_argument("--pcie-gbps", type=_bounded(float, "--pcie-gbps", 0, strict=True), default=400.0,
                    help="host<->device Gbit/s per rank under --offload (default: 400, PCIe Gen5 x16 in practice)")
-    p.add_argument("--mesh", nargs="+", metavar="SPEC",
+    p.add_argument("--mesh", nargs="+", metavar="SPEC", type=_mesh_spec,
                    help="model a 2-D mesh instead of --world-sizes: replicate=R,shard=S (HSDP) or dp=D,tp=T "
                         "(FSDP x tensor parallel); rows per strategy with NS per rank and bytes inside/across nodes")
-    p.add_argument("--ranks-per-node", type=int,
+    p.add_argument("--ranks-per-node", type=_bounded(int, "--ranks-per-node", 1, MAX_WORLD_SIZE),
                    help="ranks per node for the intra/inter-node cost model (default: $LOCAL_WORLD_SIZE, else one flat link)")
-    p.add_argument("--intra-gbps", type=float, default=3200.0,
+    p.add_argument("--intra-gbps", type=_bounded(float, "--intra-gbps", 0, strict=True), default=3200.0,
                    help="Gbit/s per rank inside a node (default 3200: NVLink-class, 400 GB/s)")
     p.add_argument("--exchange", choices=list(EXCHANGES),
                    help="add the columns max_peers and transport: the exchange's transport under CostModel(exchange=...) "
@@ -229,8 +274,26 @@ def main(argv=None) -> int:
     s.add_argument("--hf-config", required=True)
     s.add_argument("--description", help="what the preset is (stored as its source)")
     s.set_defaults(fn=cmd_shapes)
+    c = sub.add_parser("convert", help="move optimizer state between DeepSpeed ZeRO/universal, DCP and torch "
+                                       "checkpoints by tensor name, in ds_muon's groups (docs/CHECKPOINTS.md)")
+    c.add_argument("src", help="a DeepSpeed checkpoint folder (ZeRO or universal), a DCP folder or a torch file")
+    c.add_argument("dst", help="the folder (universal, dcp) or file (torch) to write")
+    c.add_argument("--model", required=True, help="MODULE:CALLABLE building the model on the CPU (ds_muon's groups "
+                                                  "come from muon_param_groups of it)")
+    c.add_argument("--to", choices=["universal", "dcp", "torch"], default="universal",
+                   help="universal: DeepSpeed ZeRO-1/2/3 at any world size (load_universal); dcp: FSDP2 at any "
+                        "world size; torch: one file {model, optim}")
+    c.add_argument("--source", choices=["auto", "deepspeed", "universal", "dcp", "torch"], default="auto")
+    c.add_argument("--config", help="the DeepSpeed JSON the run resumes with (its DsMuon params set the groups)")
+    c.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="muon_param_groups / Muon settings (lr=0.02 ...)")
+    c.add_argument("--fresh", action="store_true",
+                   help="start at zero the state of tensors the source stepped with the other algorithm")
+    c.set_defaults(fn=cmd_convert)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (ValueError, OSError) as e:  # a bad file or spec: the message, not a traceback
+        ap.exit(2, f"ds-muon {args.cmd}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ and raises ValueError naming the group and the setting before anything changes.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Dict, List, Optional
 
@@ -43,6 +44,12 @@ def dtype_name(value, name: str) -> str:
         return out
 
 
+# Keys torch's Optimizer.__setstate__ (run by load_state_dict) adds to ``defaults`` that are no
+# ds_muon setting: copied into groups they would make a loaded optimizer's param_groups differ
+# from the one that saved them (torch's own optimizers never copy them either).
+TORCH_ADDED_DEFAULTS = ("differentiable",)
+
+
 def fill_group_defaults(group: dict, defaults: dict, adam_betas, adam_eps) -> None:
     """Keys a group from an older ds_muon lacks: AdamW's ``betas``/``eps`` from the
     optimizer's ``adam_betas``/``adam_eps``, everything else from ``defaults``."""
@@ -50,7 +57,8 @@ def fill_group_defaults(group: dict, defaults: dict, adam_betas, adam_eps) -> No
         group.setdefault("betas", tuple(adam_betas))
         group.setdefault("eps", adam_eps)
     for k, v in defaults.items():
-        group.setdefault(k, v)
+        if k not in TORCH_ADDED_DEFAULTS:
+            group.setdefault(k, v)
 
 
 def validate_group(group: dict, gi: int) -> None:
@@ -72,6 +80,42 @@ def validate_group(group: dict, gi: int) -> None:
             )
 
 
+# Group settings that are booleans.  Python reads any non-empty string as true, so
+# ``nesterov="false"`` (a JSON or YAML config) would run as *on*: they must be bools.
+BOOLEAN_GROUP_KEYS = ("use_muon", "nesterov", "compile")
+OPTIONAL_BOOLEAN_GROUP_KEYS = ("foreach",)  # torch's AdamW flag: None (its default choice), True or False
+
+
+def check_boolean(value, name: str) -> bool:
+    """``value`` if it is a bool, else ValueError naming the setting."""
+    if not isinstance(value, bool):
+        raise ValueError(_not_boolean(name, value))
+    return value
+
+
+def _not_boolean(name: str, value) -> str:
+    hint = " (any non-empty string reads as true)" if isinstance(value, str) else ""
+    return f"{name} must be True or False, got {value!r} ({type(value).__name__}){hint}"
+
+
+def check_keyword_booleans(function, passed: dict) -> None:
+    """Every keyword of ``function`` whose default is a bool must be passed a bool (found from
+    the signature, so a new boolean keyword is checked too).  ``passed``: the call's ``locals()``."""
+    for name, param in inspect.signature(function).parameters.items():
+        if isinstance(param.default, bool) and name in passed:
+            check_boolean(passed[name], name)
+
+
+def _check_booleans(group: dict, gi: int) -> None:
+    for key in BOOLEAN_GROUP_KEYS:
+        if key in group and not isinstance(group[key], bool):
+            raise ValueError(f"param_groups[{gi}]: {_not_boolean(key, group[key])}")
+    for key in OPTIONAL_BOOLEAN_GROUP_KEYS:
+        v = group.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"param_groups[{gi}]: {_not_boolean(key, v)} (or None)")
+
+
 def _number(group: dict, key: str, gi: int, low: float = 0.0, strict: bool = False, below: Optional[float] = None):
     """``group[key]`` as a finite real number in [low, below) (or (low, ...) if strict), else ValueError.
     NaN fails every comparison, so it is refused like any other bad value."""
@@ -90,7 +134,7 @@ def _check_lr(group: dict, key: str, gi: int) -> None:
     lr = group[key]
     if torch.is_tensor(lr):
         if lr.numel() != 1 or lr.is_complex():
-            raise ValueError(f"param_groups[{gi}]: a tensor {key} must hold 1 real element, got shape {tuple(lr.shape)}")
+            raise ValueError(f"param_groups[{gi}]: Tensor {key} must be 1-element (and real), got shape {tuple(lr.shape)}")
         if not group["use_muon"] and group.get("foreach"):
             raise ValueError(f"param_groups[{gi}]: a tensor {key} needs foreach=False (torch's AdamW refuses it with foreach=True)")
         if lr.device.type != "cpu":
@@ -131,6 +175,7 @@ def check_settings(group: dict, gi: int) -> None:
     construction, at load and at the start of every ``step()``: groups are plain
     dicts that schedulers and users edit).  Raises ValueError naming the group and
     the setting.  A ``torch.dtype`` ``ns_dtype`` is stored by name."""
+    _check_booleans(group, gi)
     _check_lr(group, "lr", gi)
     _number(group, "weight_decay", gi)
     if not group["use_muon"]:
@@ -150,9 +195,6 @@ def check_settings(group: dict, gi: int) -> None:
         raise ValueError(f"param_groups[{gi}]: {e}") from None
     if group["ns_method"] not in NS_METHODS:
         raise ValueError(f"param_groups[{gi}]: ns_method={group['ns_method']!r} is unknown; use one of {list(NS_METHODS)}")
-    if not isinstance(group.get("compile", False), bool):
-        raise ValueError(f"param_groups[{gi}]: compile={group['compile']!r} must be True (Newton–Schulz under "
-                         "torch.compile) or False (eager, the default)")
     _number(group, "eps", gi, strict=True)  # the NS normalisation floor
     _number(group, "extra_scale_factor", gi)
     for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)

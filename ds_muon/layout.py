@@ -103,7 +103,10 @@ class ParamBinding:
     ``flat(t)`` maps the parameter, its gradient or any state tensor created
     ``zeros_like`` it to the 1-D local data the rank owns (a view: writes land in
     the buffers the stack owns).  ``adam_ranges`` are the (offset, numel) slices
-    that take AdamW in a tensor that mixes both (FSDP1 flat parameters).
+    that take AdamW in a tensor that mixes both (FSDP1 flat parameters).  ``copied``: the
+    parameter has no flat view (a strided slice such as ``w[..., 0]``), so ``flat(param)`` is a
+    copy, read afresh at every use, and the results are copied back into the parameter; its
+    gradient and state are contiguous (autograd and ``zeros_like`` make them so), flat as views.
     """
 
     param: torch.Tensor
@@ -111,6 +114,7 @@ class ParamBinding:
     matrices: List[MatrixSlot]
     adam_ranges: List[Tuple[int, int]] = field(default_factory=list)
     group: Optional[dist.ProcessGroup] = None
+    copied: bool = False  # flat(param) is a copy (no flat view exists): results are copied back in
 
 
 @dataclass(frozen=True)

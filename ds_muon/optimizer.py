@@ -3,9 +3,11 @@
 The step's stages, in :meth:`Muon.step`'s order (every stack goes through the same path):
 
 1. check (:mod:`~ds_muon.agreement`), before anything changes: gradient presence
-   agrees across ranks and every gradient is finite (one small all_reduce);
+   agrees across ranks and every gradient is finite (one small all_reduce); every
+   state tensor fits its parameter (:mod:`~ds_muon.state_check`);
 2. AdamW, through torch's own functional AdamW, on tensors of ``use_muon=False``
-   groups (and on the non-matrix slices of mixed flat shards);
+   groups (and on the non-matrix slices of mixed flat shards), run once stages 3–4
+   (which write nothing) have planned, so a step refused there changes nothing;
 3. layouts: which matrices of each layout (one per process group) step;
 4. plan (:mod:`~ds_muon.compile`): homes (:mod:`~ds_muon.planner`), wire dtypes and
    waves, compiled once into :class:`~ds_muon.exchange.Exchange` objects;
@@ -35,17 +37,19 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from .agreement import Agreement, settings_of
+from .agreement import Agreement, LocalFailure, settings_of
 from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .exchange import Exchange
 from .identity import next_ordinal
-from .groups import as_dtype, check_loaded_groups, check_settings, dtype_name, fill_group_defaults, validate_group
+from .groups import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_keyword_booleans, check_loaded_groups,
+                     check_settings, dtype_name, fill_group_defaults, validate_group)
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
 from .layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
 from .offload import accelerator
 from .overlap import OverlapSettings, Wave
 from .pieces import WavePieces
+from .state_check import check_loaded_state, check_state
 from .summary import Summary, log_first_step, summarize
 from .tags import restore_tags
 from .planner import STRATEGIES, CostModel
@@ -120,6 +124,7 @@ class Muon(Optimizer):
         log_summary: bool = True,
         compile: bool = False,
     ):
+        check_keyword_booleans(Muon.__init__, locals())
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
         if nonfinite not in NONFINITE:
@@ -270,8 +275,12 @@ class Muon(Optimizer):
         if not param_group.get("use_muon", True):
             param_group.setdefault("betas", self.adam_betas)
             param_group.setdefault("eps", self.adam_eps)
+        given = set(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        for k in TORCH_ADDED_DEFAULTS:  # in defaults after a load (torch's __setstate__), no setting of ours
+            if k not in given:
+                group.pop(k, None)
         validate_group(group, len(self.param_groups) - 1)
         if hasattr(self, "_resolved"):
             self.invalidate_layouts()
@@ -289,10 +298,7 @@ class Muon(Optimizer):
         parameters (accelerate, FSDP2 built after the optimizer) gets new layouts;
         one that narrows ``param_groups`` per call (DeepSpeed) reuses each set's.
         """
-        sig = tuple(  # inline (a call per tensor costs more than the rest): shape, or a DTensor's spec
-            (id(p), p._spec) if isinstance(p, _DTENSOR_OR_NONE) else (id(p), p.shape)
-            for g in self.param_groups if g["use_muon"] for p in g["params"]
-        )
+        sig = self._signature()
         if sig == self._binding_sig:
             return
         if sig not in self._resolved:
@@ -318,6 +324,13 @@ class Muon(Optimizer):
         self._binding_sig = sig
         self._settled = set()
         self._state_key = None  # new bindings may need new state keys (AdamW slices)
+
+    def _signature(self) -> tuple:
+        """What the bindings depend on: each Muon tensor, with its shape or a DTensor's spec."""
+        return tuple(  # inline (a call per tensor costs more than the rest): shape, or a DTensor's spec
+            (id(p), p._spec) if isinstance(p, _DTENSOR_OR_NONE) else (id(p), p.shape)
+            for g in self.param_groups if g["use_muon"] for p in g["params"]
+        )
 
     def _whole_world(self, sig) -> bool:
         """Does every world rank step this optimizer (its step group is the world)?"""
@@ -365,30 +378,36 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, g in enumerate(self.param_groups):
-            check_settings(g, gi)
+        # a check that fails here on one rank only is carried to the agreement (LocalFailure), so
+        # every rank raises, instead of the others waiting in its all_reduce
+        failed = LocalFailure.catch(lambda: [check_settings(g, gi) for gi, g in enumerate(self.param_groups)])
         if self._not_carried:
             self._check_not_carried()
         self.flush()  # the previous step's updates still waiting for a forward
         self._resolve()
         self._init_state()
+        failed = failed or LocalFailure.catch(  # every state tensor fits, before any write
+            lambda: check_state(self.param_groups, self.state, self._name))
         self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
-        loss = self._stages(loss)
+        loss = self._stages(loss, failed)
         if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
             self._summary_logged = log_first_step(self)
         return loss
 
-    def _stages(self, loss):
-        """The stages of :meth:`step`, in order (see the module docstring)."""
-        active = self._check()  # 1. which tensors step, agreed by every rank
+    def _stages(self, loss, failed=None):
+        """The stages of :meth:`step`, in order (see the module docstring); ``failed``: this
+        rank's failed local check (:class:`~ds_muon.agreement.LocalFailure`), raised in stage 1."""
+        active = self._check(failed)  # 1. which tensors step, agreed by every rank
         if active is None:
             return loss
-        self._adamw_all(active)  # 2. AdamW on everything that is not a Muon matrix
         work = self._active_matrices(active)  # 3. layouts: each one's matrices that step
+        jobs = self._plan(work) if work else []  # 4. compiled exchanges: homes, dtypes, waves
+        # 2. AdamW on everything that is not a Muon matrix: after the plan (which writes nothing and
+        # may refuse), so a step that raises before its first write leaves every tensor as it was
+        self._adamw_all(active)
         if not work:
             self._drain_early()
             return loss
-        jobs = self._plan(work)  # 4. compiled exchanges: homes, dtypes, waves
         for batch in self._batches(jobs):
             gathers = self._gather(batch)  # 5. momentum on local pieces, gathers issued
             scatters = self._orthogonalize(batch, gathers)  # 6. NS at home, scatters issued
@@ -443,13 +462,13 @@ class Muon(Optimizer):
         """The group the step's collectives run in, and its size (see :meth:`Agreement.group`)."""
         return self._agreement.group(self.process_group, self.param_groups, self._binding_sig)
 
-    def _check_gradients(self) -> Optional[set]:
+    def _check_gradients(self, failed=None) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes
         (:class:`~ds_muon.agreement.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._step_group()
         verdict = self._agreement.check(items, self._name, group, world,
-                                        settings_of(self) if world > 1 else None, self._dispatch)
+                                        settings_of(self) if world > 1 else None, self._dispatch, failed)
         if verdict.nonfinite:
             name = verdict.nonfinite[0]
             if self.nonfinite == "raise":
@@ -514,11 +533,11 @@ class Muon(Optimizer):
             maximize=False,
         )
 
-    def _check(self) -> Optional[set]:
+    def _check(self, failed=None) -> Optional[set]:
         """Stage 1: the agreement (:meth:`_check_gradients`); early gathers are waited out
         when the step raises or is skipped."""
         try:
-            active = self._check_gradients()
+            active = self._check_gradients(failed)
         except BaseException:
             self._drain_early()
             raise
@@ -706,18 +725,37 @@ class Muon(Optimizer):
         algorithm, same tensor names) and hold valid settings; older ds_muon state dicts
         are brought up to date (see :meth:`_upgrade_groups`)."""
         check_loaded_groups(self.param_groups, state_dict["param_groups"], self.defaults, self.adam_betas, self.adam_eps)
+        check_loaded_state(self.param_groups, state_dict, self._name)
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
         super().load_state_dict(state_dict)
+        self._exchanges.clear()  # compiled for the old state's dtypes (a load casts state to the parameters')
 
     # -- introspection --------------------------------------------------------
-    def summary(self) -> Summary:
+    def summary(self, all_ranks: bool = False) -> Summary:
         """Per tensor: Muon or AdamW and why, its logical matrices (after splits, experts and
         tensor-parallel tags) with their scale factors and home ranks; per rank: NS FLOPs and
         bytes moved per step.  ``str()`` is a table.  Every rank computes every rank's columns
-        (of the process groups it is in), so rank 0 prints the whole picture.  Before the first step this binds the tensors, a collective: call it on every rank then
+        (of the process groups it is in), so rank 0 prints the whole picture, with no collective
+        once the tensors are bound (after the first step).
+
+        Before the first step of a multi-rank run, binding the tensors is a collective: pass
+        ``all_ranks=True`` and call it on every rank then.  Without it, this raises RuntimeError at
+        once on the calling rank (one rank alone in a collective would hang or abort the others)
         (see :mod:`ds_muon.summary`)."""
+        check_boolean(all_ranks, "all_ranks")
+        if not all_ranks and self._binding_is_collective():
+            raise RuntimeError(
+                "ds_muon: Muon.summary() before the first step binds the tensors, a collective every rank must "
+                "join: call opt.summary(all_ranks=True) on every rank (then print it on one), or call "
+                "summary() on any rank alone after the first step")
         return summarize(self)
+
+    def _binding_is_collective(self) -> bool:
+        """Would binding the tensors now communicate (a multi-rank run whose current tensors are unbound)?"""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return False
+        return self._signature() not in self._resolved
 
     def exchanges(self) -> List[Exchange]:
         """The compiled exchanges now cached (for reports and tests)."""
@@ -735,8 +773,8 @@ def _relaid_like(buf: torch.Tensor, p: torch.Tensor, binding: Optional[ParamBind
     """``buf`` copied into ``p``'s memory layout (a channels_last weight's momentum saved
     from a contiguous model), so the binding's flat view of it is a view: the momentum
     update is written through it and must land in the state."""
-    if buf.shape != p.shape or local_shard(p) is not p:
-        return buf
+    if buf.shape != p.shape or local_shard(p) is not p or binding is not None and binding.copied:
+        return buf  # (a tensor with no flat view keeps a contiguous buffer: see ParamBinding.copied)
     out = torch.empty_like(p, dtype=buf.dtype, memory_format=torch.preserve_format).copy_(buf)
     if binding is not None:
         assert binding.flat(out).data_ptr() == out.data_ptr() and binding.flat(out)._base is not None, \

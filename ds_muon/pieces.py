@@ -68,6 +68,7 @@ class WavePieces:
         self._flat_results: Optional[bool] = None  # are all results flat (no column blocks)?
         self._parts: Dict[Optional[int], List[Tuple[int, int]]] = {}
         self._step_grads: Optional[List[torch.Tensor]] = None  # this step's, across its parts
+        self._copied: List[int] = []  # pieces of parameters with no flat view (ParamBinding.copied)
 
     # -- views, checked every use ----------------------------------------------------------------
     def _bind(self, state) -> None:
@@ -89,6 +90,20 @@ class WavePieces:
         self._ptrs = ptrs
         self._param_ptrs = ptrs[:len(lps)]
         self._all_whole = all(self._whole)
+        self._copied = [k for k, b in enumerate(self.bindings) if b.copied]
+
+    def _fresh_copies(self) -> None:
+        """Parameters with no flat view (``ParamBinding.copied``): their flat pieces are copies,
+        taken again now (the parameter may have changed since the last one)."""
+        for k in self._copied:
+            off, n = self.spans[k]
+            self._param_flats[k] = self._param_pieces[k] = _cut(self.bindings[k], self.params[k], off, n)
+
+    def _copy_back(self) -> None:
+        """The updated copies written into their parameters (each such piece is the whole tensor)."""
+        for k in self._copied:
+            p = _locals([self.params[k]])[0]
+            p.copy_(self._param_flats[k].view(p.shape))
 
     def _grads(self) -> List[torch.Tensor]:
         if self._all_whole:
@@ -166,6 +181,8 @@ class WavePieces:
         if part is None or part[0] == 0:  # the views are checked and gradients listed once per step
             self._bind(state)
             self._bound_in = bound_in
+            if self._copied:
+                self._fresh_copies()
             self._step_grads = self._grads()
         grads = self._step_grads
         if part is None or part[1] == len(self.idx):
@@ -208,11 +225,16 @@ class WavePieces:
             self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
             self._param_ptrs = [t.data_ptr() for t in lps]
             self._ptrs = None  # the inputs' views are made again at their next use
+            self._copied = [k for k, b in enumerate(self.bindings) if b.copied]
+        if self._copied:
+            self._fresh_copies()
         ordered = [results[i] for i in self.idx]
         if self._flat_results is None:  # the exchange hands out the same kinds of pieces every step
             self._flat_results = all(r.dim() == 1 for r in ordered)
         for (a, z, _, _, _), (decay, alpha) in zip(self.kinds, coefficients):
             apply_result(self._param_flats[a:z], ordered[a:z], decay, alpha, self._flat_results)
+        if self._copied:
+            self._copy_back()
 
 
 def _locals(ts: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -47,6 +47,7 @@ from .exchange import Exchange
 from .layout import Layout, global_shape
 from .newton_schulz import ns_flops
 from .scaling import get_muon_scale_factor
+from .summary_file import summary_from_dict
 
 logger = logging.getLogger("ds_muon")
 USER_GROUP = "user group"  # the reason of tensors in groups that recorded none (built by hand)
@@ -166,13 +167,17 @@ class Summary:
 
     @classmethod
     def load(cls, path: str) -> "Summary":
+        """The summary :meth:`save` wrote; a file that is not one (edited, crafted, truncated) raises
+        ValueError naming the field (:mod:`ds_muon.summary_file`)."""
         with open(path) as f:
-            d = json.load(f)
-        tensors = [TensorRow(**{**t, "shape": tuple(t["shape"]), "matrices": tuple(
-            MatrixRow(**{**m, "shape": tuple(m["shape"]), "homes": tuple(m["homes"]), "held": tuple(m["held"]),
-                         "groups": tuple(tuple(g) for g in m.get("groups", ()))})
-            for m in t["matrices"])}) for t in d.pop("tensors")]
-        return cls(tensors, [RankRow(**r) for r in d.pop("ranks")], **d)
+            try:
+                d = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"Summary file {path!r} is not JSON: {e}") from None
+        try:
+            return summary_from_dict(d, cls, TensorRow, MatrixRow, RankRow)
+        except ValueError as e:
+            raise ValueError(f"{path!r}: {e}") from None
 
     # -- the table -------------------------------------------------------------------
     def __str__(self) -> str:

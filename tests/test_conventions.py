@@ -174,14 +174,14 @@ def test_tensor_lr_like_torch(shape):
 
 def test_tensor_lr_of_several_elements_refused_before_anything_changes():
     model = mlp()
-    with pytest.raises(ValueError, match=r"param_groups\[0\]: a tensor lr must hold 1 real element"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: Tensor lr must be 1-element"):
         ds_muon.Muon([nn.Parameter(torch.zeros(2, 2))], lr=torch.ones(2))
     opt = build(model)
     train(model, opt, steps=1)
     opt.param_groups[1]["lr"] = torch.tensor([1e-3, 1e-3])
     grads(model, 4)
     before = snapshot(model, opt)
-    with pytest.raises(ValueError, match=r"param_groups\[1\]: a tensor lr"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: Tensor lr must be 1-element"):
         opt.step()
     assert same(before, snapshot(model, opt))
 
@@ -376,7 +376,7 @@ def test_channels_last_loads_contiguous_state():
         torch.testing.assert_close(b, a, rtol=0, atol=2e-6)
 
 
-def test_dense_permutations_generalise_and_others_are_refused():
+def test_dense_permutations_generalise_and_others_step_through_copies():
     from ds_muon.integrations.local import bind_replicated
 
     p = nn.Parameter(torch.randn(4, 5, 3).permute(0, 2, 1))  # shape [4, 3, 5], stored [4, 5, 3]
@@ -391,11 +391,17 @@ def test_dense_permutations_generalise_and_others_are_refused():
     opt.step()
     ref_opt.step()
     torch.testing.assert_close(p, ref, rtol=0, atol=2e-6)
-    t = nn.Parameter(torch.randn(6, 4).t())  # dim 0 is not outermost: a transpose, not a column permutation
-    with pytest.raises(ValueError, match="dense permutation with dim 0 outermost"):
-        bind_replicated(t, "wt")
-    with pytest.raises(ValueError, match="dense permutation"):
-        bind_replicated(nn.Parameter(torch.randn(4, 8)[:, ::2]), "strided")
+    # dim 0 not outermost (a transpose) or no dense layout at all (a strided slice): no flat view, so
+    # the step reads a copy and writes the result back: bitwise the contiguous tensor's (issue 25)
+    for t in (nn.Parameter(torch.randn(6, 4).t()), nn.Parameter(torch.randn(4, 8)[:, ::2])):
+        assert bind_replicated(t, "w").copied
+        ref = nn.Parameter(t.detach().contiguous())
+        opt, ref_opt = ds_muon.Muon([t], ns_dtype=torch.float32), ds_muon.Muon([ref], ns_dtype=torch.float32)
+        t.grad = torch.randn(t.shape)
+        ref.grad = t.grad.clone()
+        opt.step()
+        ref_opt.step()
+        assert torch.equal(t, ref) and not t.is_contiguous()
 
 
 # -- spawned runs (W=2): replicated/DDP and FSDP2 ------------------------------------------------

@@ -226,7 +226,13 @@ def _fsdp2_worker(rank, world):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=torch.float32)
-    before = opt.summary()  # collective: binds on every rank
+    alone = None
+    if rank == 0:  # one rank alone before the first step: refused at once, no collective joined (issue 25)
+        try:
+            opt.summary()
+        except RuntimeError as e:
+            alone = str(e)
+    before = opt.summary(all_ranks=True)  # collective: binds on every rank
     _train(model, opt)
     after = opt.summary()
     homes, sent, received = {}, 0, 0
@@ -235,7 +241,7 @@ def _fsdp2_worker(rank, world):
         sent += ex.bytes_sent
         received += ex.bytes_received
     _check_against_optimizer(opt, after)
-    return {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after), "homes": homes,
+    return {"alone": alone, "before": dataclasses.asdict(before), "after": dataclasses.asdict(after), "homes": homes,
             "sent": sent, "received": received, "logged": list(seen), "text": str(after),
             "plan": after.plan_rows(["locality"])[0], "fsdp1": _fsdp1(rank, world) if world == 2 else None,
             "domains": _domains(rank, world) if world == 2 else None}
@@ -246,6 +252,7 @@ def test_fsdp2_homes_and_bytes_are_the_exchanges(world):
     """FSDP2: home ranks are the exchanges', every rank's bytes are what that rank's exchanges move;
     at W=2 the same processes also check FSDP1 (:func:`_check_fsdp1`)."""
     out = dist_harness.run(_fsdp2_worker, world, timeout=240)
+    assert "summary(all_ranks=True) on every rank" in out[0]["alone"]
     for rank, r in enumerate(out):
         assert r["after"]["tensors"] == r["before"]["tensors"] and r["after"]["ranks"] == r["before"]["ranks"]
         assert {m["key"]: m["homes"] for t in r["after"]["tensors"] for m in t["matrices"]} == r["homes"]
@@ -289,7 +296,7 @@ def _fsdp1(rank, world):
         fsdp = FSDP(tiny_llama(), device_id=torch.device("cpu"), use_orig_params=orig,
                     auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
         opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp)
-        s = opt.summary()
+        s = opt.summary(all_ranks=True)
         _train(fsdp, opt, steps=1)
         assert opt.summary().tensors == s.tensors
         out[orig] = ([(t.name, t.algorithm, t.reason) for t in s.tensors], sorted((m.key, m.shape) for m in s.matrices))
@@ -346,7 +353,7 @@ def _deepspeed_worker(rank, world):
         seen = _keep_log()
         engine, _, _, _ = T.ds_muon_deepspeed.initialize(model=T.make_model(), config=T.ds_config(stage))
         muon = engine.basic_optimizer
-        before = muon.summary()
+        before = muon.summary(all_ranks=True)
         T.train(engine, 1)
         logged_after_one = list(seen)
         T.train(engine, 2, start=1)

@@ -316,4 +316,7 @@ def bind(engine, optimizer=None):
     for t in adapter.flat_partitions():
         setattr(t, FLAT_PARTITION, True)  # 1-D flat partitions that hold matrices
     muon.attach(adapter)
+    from ..ds_checkpoint import guard_loads
+
+    guard_loads(engine, muon)  # checkpoints whose groups differ are refused before anything loads
     return muon

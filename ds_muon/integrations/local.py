@@ -41,6 +41,13 @@ def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
         return bind_tensor_parallel(param, name, group)
     order = memory_order(param, name)
     piece = Piece(0, param.numel())
+    if order is COPIED:
+        if is_tagged(param):
+            raise NotImplementedError(
+                f"ds_muon: {name} (shape {tuple(param.shape)}, strides {param.stride()}) is tagged (split rows / "
+                "experts) and has no flat view; make the parameter contiguous")
+        return ParamBinding(param=param, flat=lambda t: t.reshape(-1), group=group, copied=True,
+                            matrices=[MatrixSlot(name, tuple(param.shape), piece, 0, transposed=is_transposed(param))])
     if order is None:
         slots = (block_slots(param, name, 0, param.numel()) if is_tagged(param)
                  else [MatrixSlot(name, tuple(param.shape), piece, 0, transposed=is_transposed(param))])
@@ -56,6 +63,9 @@ def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
                         matrices=[MatrixSlot(name, shape, piece, 0, transposed=is_transposed(param))], group=group)
 
 
+COPIED = "copied"  # memory_order's answer for a tensor with no flat view
+
+
 def memory_order(param: torch.Tensor, name: str):
     """None for a contiguous tensor; for a dense tensor stored in another dimension order
     with dim 0 outermost (``channels_last`` conv weights: ``[O, I, kh, kw]`` stored as
@@ -64,6 +74,10 @@ def memory_order(param: torch.Tensor, name: str):
     Muon then orthogonalizes ``[O, kh*kw*I]``, a column permutation of the logical
     ``[O, I*kh*kw]``: orthogonalization commutes with column permutations, so the update
     equals the contiguous model's up to rounding (not bitwise).
+
+    :data:`COPIED` for any other layout (a strided slice such as ``w[..., 0]``, strides
+    ``(10, 2)``): no flat view exists, so the step reads a row-major copy and copies the
+    result back; the update is then bitwise the contiguous tensor's.
     """
     if param.is_contiguous():
         return None
@@ -76,10 +90,7 @@ def memory_order(param: torch.Tensor, name: str):
             dense = False
         expected *= sizes[d]
     if not dense or order[0] != 0 and sizes[0] != 1:
-        raise ValueError(
-            f"ds_muon: {name} (shape {tuple(param.shape)}, strides {strides}) is neither contiguous nor a dense "
-            "permutation with dim 0 outermost (as channels_last); Muon updates tensors in place through a flat "
-            "view: make the parameter contiguous")
+        return COPIED  # no flat view: Muon reads a copy and copies the result back (as torch.optim steps it)
     if order[0] != 0:
         order.remove(0)
         order.insert(0, 0)

@@ -52,6 +52,7 @@ from .pieces import WavePieces
 from .state_check import check_loaded_state, check_state
 from .summary import Summary, log_first_step, summarize
 from .tags import restore_tags
+from .team import TeamGroups
 from .planner import STRATEGIES, CostModel
 
 MODES = ("sharded", "duplicated")
@@ -87,7 +88,10 @@ class Muon(Optimizer):
     is attached after ``deepspeed.initialize`` (:meth:`attach`).
     ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.planner`): ``"auto"`` (default)
     gives replicated matrices (DDP, HSDP replica groups) extra homes where the cost model says
-    running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise.
+    running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise;
+    with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
+    ranks, each orthogonalizing a column block (:mod:`~ds_muon.team`; not bitwise equal to one
+    process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """
@@ -116,6 +120,7 @@ class Muon(Optimizer):
         comm_dtype=None,
         planner: str = "auto",
         cost_model: Optional[CostModel] = None,
+        team_ns: bool = True,
         overlap: bool = False,
         waves: int = 4,
         dispatch_in_backward: bool = True,
@@ -142,6 +147,7 @@ class Muon(Optimizer):
         self.model = model
         self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
+        self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.team)
         self.cost_model = cost_model  # None: CostModel.for_device of where NS runs (planning_cost_model)
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
@@ -172,6 +178,7 @@ class Muon(Optimizer):
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges = ExchangeCache()
         self._exchange_groups = ExchangeGroups()  # the exchange's own process groups, kept across re-sharding
+        self._team_groups = TeamGroups()  # team NS's process groups (one per member set), kept likewise
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
         self._pieces: "weakref.WeakKeyDictionary[Exchange, WavePieces]" = weakref.WeakKeyDictionary()
@@ -199,7 +206,8 @@ class Muon(Optimizer):
         return self.overlap_settings.apply_in_forward
 
     # -- copies, pickling and loading --------------------------------------------
-    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",
+    team_ns = True  # (an optimizer pickled before team NS existed reads the default)
+    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner", "team_ns",
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips", "log_summary")
     _NOT_CARRIED = ("model", "process_group")
 
@@ -573,7 +581,8 @@ class Muon(Optimizer):
                 layout, todo, self._muon_groups(), mode=self.mode, planner=self.planner,
                 cost_model=self.planning_cost_model(),
                 comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group),
-                offload=bool(getattr(self.adapter, "offload", False))))
+                offload=bool(getattr(self.adapter, "offload", False)),
+                team_ns=self.team_ns, team_groups=self._team_groups))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 
@@ -606,7 +615,7 @@ class Muon(Optimizer):
     def _gather_one(self, j: _Job):
         """One wave's inputs into its gather, at most the exchange's memory budget of them at a time."""
         pieces = self._pieces_of(j.layout, j.exchange)
-        parts = pieces.parts(j.exchange.memory_budget)
+        parts = pieces.parts(getattr(j.exchange, "memory_budget", None))  # (a team's exchange: none)
         if len(parts) == 1:
             pending = j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
             pieces.sent()  # copied into the exchange: their memory goes back
@@ -658,7 +667,7 @@ class Muon(Optimizer):
         pieces = self._pieces.get(ex)
         if pieces is None:
             index = {id(p): gi for gi, g in enumerate(self.param_groups) if g["use_muon"] for p in g["params"]}
-            pieces = self._pieces[ex] = WavePieces(layout, ex.active, index, ex.reads)
+            pieces = self._pieces[ex] = WavePieces(layout, ex.active, index, getattr(ex, "reads", None))
         return pieces
 
     def _muon_groups(self) -> Dict[int, dict]:
@@ -707,7 +716,8 @@ class Muon(Optimizer):
             """``bound_in``: the step's token when applied within it (the views were checked this step).
             (No reference to the optimizer: a dropped optimizer's deferred updates must not keep it alive.)"""
             pieces.apply(ex.scatter_finish(pending), coefficients, bound_in)
-            ex.done()  # the exchange's buffers give their memory back until the next step
+            if hasattr(ex, "done"):  # the exchange's buffers give their memory back until the next step
+                ex.done()
 
         return apply
 

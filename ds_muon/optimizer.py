@@ -451,7 +451,7 @@ class Muon(Optimizer):
                     if id(p) in settled or "exp_avg" in st:
                         continue
                     b = self._bindings.get(id(p))
-                    if b is not None and b.adam_ranges:  # mixed flat shard (FSDP1)
+                    if b is not None and b.has_adam:  # mixed flat parameter (FSDP1), on every rank
                         st["step"] = torch.tensor(0.0, dtype=torch.float32)
                         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -523,7 +523,7 @@ class Muon(Optimizer):
         ``adam_weight_decay`` (default 0).  One step count per tensor, shared by its slices.
         """
         views = ([], [], [], [], [])
-        for p in self._skip_empty([p for p in params if self._bindings[id(p)].adam_ranges]):
+        for p in self._skip_empty([p for p in params if self._bindings[id(p)].has_adam]):
             b, st = self._bindings[id(p)], self.state[p]
             flats = [b.flat(t) for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
             for off, n in b.adam_ranges:
@@ -558,7 +558,7 @@ class Muon(Optimizer):
         for g in self.param_groups:
             if not g["use_muon"]:
                 self._adamw(g, [p for p in g["params"] if id(p) in active])
-            elif any(b.adam_ranges for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
+            elif any(b.has_adam for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
                 self._adamw_ranges(g, [p for p in g["params"] if id(p) in active])
 
     def _active_matrices(self, active: set) -> List[Tuple[Layout, List[int]]]:

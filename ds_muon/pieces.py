@@ -230,7 +230,8 @@ class WavePieces:
             if not commit:
                 commits.extend(zip(self._bufs[a:z], new))
         for i in self._multi:  # the exchange sends a piece held in several views as one
-            pieces[i] = torch.cat([f.reshape(-1) for f in pieces[i]])
+            if i in pieces:  # (not when the exchange does not read it: a replica homed elsewhere)
+                pieces[i] = torch.cat([f.reshape(-1) for f in pieces[i]])
         return pieces, commits
 
     def _group_of(self, a: int) -> int:

@@ -6,13 +6,13 @@ from .optimizer import Muon
 from .param_groups import muon_param_groups
 from .planner import CostModel, MatrixTask, Plan, plan_homes
 from .scaling import get_muon_scale_factor
-from .tags import domain, expert_weight, split_rows, tensor_parallel, transposed
+from .tags import domain, expert_weight, fused_blocks, split_rows, tensor_parallel, transposed
 from .unwrap import find_muon
 
 __all__ = [
     "Muon", "muon_param_groups", "newton_schulz", "get_muon_scale_factor",
     "Layout", "MatrixSlot", "ParamBinding", "Piece", "CostModel", "MatrixTask", "Plan", "plan_homes",
-    "split_rows", "tensor_parallel", "expert_weight", "domain", "transposed", "find_muon",
+    "split_rows", "tensor_parallel", "expert_weight", "domain", "transposed", "fused_blocks", "find_muon",
 ]
 __version__ = "0.1.0"
 

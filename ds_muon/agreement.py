@@ -89,7 +89,7 @@ def _plain(v: Any) -> Any:
 def settings_of(optimizer) -> Dict[str, Any]:
     """Everything that must be equal on every rank, as plain values (names for the error)."""
     out: Dict[str, Any] = {STEPPED: identity_of(optimizer)}  # which optimizer this is (several in one job)
-    for k in ("mode", "planner", "waves", "comm_dtype", "nonfinite", "adam_betas", "adam_eps"):
+    for k in ("mode", "planner", "team_ns", "waves", "comm_dtype", "nonfinite", "adam_betas", "adam_eps"):
         out[k] = _plain(getattr(optimizer, k, None))
     # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
     # type differs would plan other homes, so it must fail here, not in the exchange

@@ -160,11 +160,11 @@ def mesh_table(shapes, meshes: Sequence[str], cm: CostModel, ns_steps: int = 5) 
 
 
 def _print_table(rows: List[dict]) -> None:
-    cols = list(rows[0].keys())
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # the "team" row adds its own columns
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" for _ in cols) + "|")
     for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
 
 
 def cmd_plan(args) -> int:

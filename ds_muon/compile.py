@@ -22,8 +22,9 @@ from .groups import as_dtype
 from .layout import Layout
 from .offload import HostNS, exchange_device, host_state
 from .newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
-                            resolve_coefficients)
-from .planner import CostModel, MatrixTask, plan_multi_homes, replica_groups
+                            resolve_coefficients, resolve_method)
+from .planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, rebalance_homes, replica_groups
+from .team import TeamExchange, TeamGroups, TeamNS
 from .timeouts import new_group_like
 
 
@@ -179,12 +180,17 @@ def planner_task(layout: Layout, i: int, ns: NSSettings, wire_bytes: int) -> Mat
 def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict], *, mode: str, planner: str,
                       cost_model: CostModel, comm_dtype: Optional[torch.dtype], waves: int,
                       group: Optional[dist.ProcessGroup] = None,
-                      offload: bool = False) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
+                      offload: bool = False, team_ns: bool = False,
+                      team_groups: Optional[TeamGroups] = None) -> List[Tuple[Exchange, Dict[Hashable, NSSettings]]]:
     """Plan homes and build one Exchange per (gather, scatter) dtype pair and wave; each
     comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group;
     ``group`` (default the layout's) is where the all_to_alls run (:class:`ExchangeGroups`).
     Pieces offloaded to host memory (``offload``, or :func:`~ds_muon.offload.host_state`) are
-    orthogonalized on the accelerator (:mod:`~ds_muon.offload`)."""
+    orthogonalized on the accelerator (:mod:`~ds_muon.offload`).
+    ``team_ns`` (with ``planner="auto"``): matrices whose NS bounds the step may run as a team of
+    ranks (:func:`~ds_muon.planner.plan_teams`, :mod:`~ds_muon.team`), one :class:`TeamExchange`
+    per dtype pair before the waves; ``team_groups`` makes their process groups (collective: the
+    optimizer's; None, as in :meth:`ds_muon.Muon.summary`, plans the same teams without groups)."""
     by_dtypes: Dict[tuple, List[int]] = {}
     stack_key: Dict[int, Hashable] = {}
     ns_of: Dict[Hashable, NSSettings] = {}
@@ -217,12 +223,59 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             homes = {i: tuple(range(layout.world_size)) for i in idx}
         else:
             tasks = [planner_task(layout, i, ns_at[i], gdt.itemsize) for i in idx]
-            homes = dict(zip(idx, plan_multi_homes(tasks, layout.world_size, cost_model, planner)))
+            planned = plan_multi_homes(tasks, layout.world_size, cost_model, planner)
+            homes = dict(zip(idx, planned))
+            if team_ns and planner == "auto" and not offloaded and _spans_world(layout):
+                eligible = [team_eligible(layout, i, ns_at[i], device) for i in idx]
+                at = plan_teams(tasks, layout.world_size, planned, cost_model, eligible)
+                teams = {idx[p]: hs for p, hs in at.items()}
+                if teams:  # the other matrices' homes, balanced around the teams
+                    homes = dict(zip(idx, rebalance_homes(tasks, layout.world_size, planned, at, cost_model)))
+                    compiled.append(_team_exchange(layout, teams, ns_at, gdt, sdt, device, group, team_groups))
+                    idx = [i for i in idx if i not in teams]
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
-        for wave in split_waves(idx, cost, waves):
+        for wave in (split_waves(idx, cost, waves) if idx else []):
             compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group,
                                       transport=cost_model.transport), ns_of))
     return compiled
+
+
+def team_eligible(layout: Layout, i: int, ns: NSSettings, device) -> bool:
+    """May matrix ``i`` run as a team?  Its pieces are contiguous ranges (a tensor-parallel column
+    block is not: :class:`~ds_muon.team.TeamExchange` cuts ranges), and it iterates the standard way
+    (the Gram iteration keeps its own m×m state), eagerly."""
+    info = layout.matrices[i]
+    method = resolve_method(ns.method, info.rows, info.cols, ns.steps, ns.dtype,
+                            getattr(device, "type", "cpu"))
+    return (method == "standard" and not ns.compile
+            and all(p is None or p.numel == 0 or p.contiguous for p in info.pieces))
+
+
+def _spans_world(layout: Layout) -> bool:
+    """Teams need groups of their own, and ``dist.new_group`` is collective over the world: only
+    a layout whose group is the world (every rank compiles its plan at the same step) gets teams."""
+    if layout.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return layout.world_size == dist.get_world_size()
+
+
+def _team_exchange(layout: Layout, teams: Dict[int, Tuple[int, ...]], ns_at: Dict[int, NSSettings], gdt, sdt,
+                   device, group, team_groups: Optional[TeamGroups]):
+    """The :class:`TeamExchange` of ``teams`` and each member's :class:`TeamNS`, keyed by its block.
+    Team groups hold global ranks; they are made (collectively) here, in one sorted order."""
+    def global_ranks(members):
+        if layout.group is None:
+            return tuple(members)
+        return tuple(dist.get_global_rank(layout.group, r) for r in members)
+
+    if team_groups is not None:
+        team_groups.make([global_ranks(hs) for hs in teams.values()], layout.group)
+    ex = TeamExchange(layout, sorted(teams), teams, gdt, sdt, device, group)
+    info = layout.matrices
+    ns_of = {("team", i): TeamNS(ns_at[i], info[i].rows, info[i].cols,
+                                 team_groups.get(global_ranks(teams[i])) if team_groups is not None else None)
+             for i in ex.blocks}
+    return ex, ns_of
 
 
 def split_waves(idx: List[int], cost: List[float], waves: int) -> List[List[int]]:

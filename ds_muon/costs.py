@@ -12,8 +12,13 @@ Strategies compared on the same shapes and holdings:
 * ``locality+dup`` — when ranks outnumber matrices, the idle ranks become extra
   homes of the matrices whose home sends the most, each home then scattering to
   a share of the holders (duplicate NS, split scatter);
-* ``auto`` — the optimizer's default ``planner="auto"`` (:func:`multi_home_cost`): the
-  ``locality`` plan plus extra homes where the cost model says so.
+* ``auto`` — ``planner="auto"`` with ``team_ns=False`` (:func:`multi_home_cost`): the
+  ``locality`` plan plus extra homes where the cost model says so;
+* ``team`` — the optimizer's default, ``planner="auto"`` with team NS (:func:`team_cost`): the
+  ``auto`` plan where the matrices that bound the step run as teams of ranks
+  (:func:`~ds_muon.planner.plan_teams`); its row adds ``teams`` (how many), ``max_team`` (the
+  largest team) and ``vs_auto`` (the same plan's modelled step without teams over this one's, both as the
+  planner models them: > 1 where teams pay).
 
 On a 2-D mesh (``ds-muon plan --mesh``, :func:`mesh_rows`): HSDP ``replicate=R,shard=S``
 and FSDP x TP ``dp=D,tp=T``, with bytes split inside / across nodes
@@ -35,12 +40,15 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .planner import (CostModel, MatrixTask, gather_traffic, host_traffic, pair_traffic, plan_homes, plan_multi_homes,
-                      replica_groups)
+import numpy as np
+
+from .planner import (CostModel, MatrixTask, _Costs, gather_traffic, host_traffic, pair_traffic, plan_homes,
+                      plan_multi_homes, plan_teams, rebalance_homes, replica_groups, team_member_flops, team_seconds, team_traffic,
+                      team_widths)
 
 SHARDED = ("locality", "lpt", "round_robin")
 BASELINES = ("duplicated", "deepspeed_owner")
-STRATEGIES = SHARDED + BASELINES + ("locality+dup", "auto")  # "auto": the optimizer's default planner
+STRATEGIES = SHARDED + BASELINES + ("locality+dup", "auto", "team")  # "team": the optimizer's default
 OPTIONAL: tuple = ()  # rows only on request (none now: "auto" plans in under a second at thousands of ranks)
 
 
@@ -196,6 +204,57 @@ def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> S
     return cost
 
 
+def team_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> Tuple[StrategyCost, dict]:
+    """The optimizer's default (``planner="auto"``, ``team_ns=True``): :func:`multi_home_cost`'s homes,
+    then :func:`~ds_muon.planner.plan_teams` and :func:`~ds_muon.planner.rebalance_homes`.  Team members count their share of the NS, the bytes
+    of their blocks (:func:`~ds_muon.planner.team_traffic`) and of the ring all_reduces; seconds
+    are the planner's own (:func:`~ds_muon.planner.team_seconds` beside one home's).  Also returns
+    the row's extra columns."""
+    tasks = [t if len(t.held) == world else dataclasses.replace(t, held=tuple(t.held) + (0,) * (world - len(t.held)))
+             for t in tasks]
+    homes = plan_multi_homes(tasks, world, cm, "auto")
+    teams = plan_teams(tasks, world, homes, cm)
+    alone, homes = homes, rebalance_homes(tasks, world, homes, teams, cm)
+    ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
+    costs = _Costs(tasks, world, cm)
+    seconds, one_home = [0.0] * world, np.zeros(world)  # the planner's seconds, with and without teams
+    for i, hs in enumerate(alone):
+        one_home += costs(i, tuple(hs))
+    for i, (t, hs) in enumerate(zip(tasks, homes)):
+        if i in teams:
+            members = teams[i]
+            m = min(t.rows, t.cols)
+            for h, w in zip(members, team_widths(t.rows, t.cols, len(members))):
+                ns[h] += team_member_flops(m, w, t.steps)
+                count[h] += 1
+                ring = (t.steps * t.elem_bytes * m * m + 8.0) * 2 * (len(members) - 1) / len(members)
+                sent[h] += ring
+                recv[h] += ring
+            s_el, r_el = team_traffic(t, members)
+            vec = team_seconds(t, members, cm)
+            for r in range(world):
+                sent[r] += float(s_el[r]) * t.elem_bytes
+                recv[r] += float(r_el[r]) * t.elem_bytes
+        else:
+            for h in hs:
+                ns[h] += t.flops
+                count[h] += 1
+            for (a, b), n in pair_traffic(t, hs).items():
+                sent[a] += n * t.elem_bytes
+                recv[b] += n * t.elem_bytes
+            vec = costs(i, tuple(hs))
+        for r in range(world):
+            seconds[r] += float(vec[r])
+    collectives = (2 if any(sent) else 0) + (2 + sum(t.steps + 1 for i, t in enumerate(tasks) if i in teams)
+                                             if teams else 0)
+    cost = StrategyCost("team", ns, sent, recv, seconds, collectives, max(count),
+                        host_traffic(tasks, world) if cm.offload else None)
+    auto_ms = float(one_home.max())
+    extra = {"teams": len(teams), "max_team": max((len(v) for v in teams.values()), default=0),
+             "vs_auto": round(auto_ms / max(seconds), 4) if max(seconds) else 1.0}
+    return cost, extra
+
+
 def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
             strategies: Sequence[str] = STRATEGIES, transport: bool = False) -> List[Dict[str, object]]:
     """One row per strategy; with ``transport``, the most peers any rank's exchange talks to
@@ -213,9 +272,13 @@ def compare(tasks: Sequence[MatrixTask], world: int, cm: CostModel,
             cost = duplicate_surplus_cost(tasks, world, cm)
         elif s == "auto":
             cost = multi_home_cost(tasks, world, cm)
+        elif s == "team":
+            cost, extra = team_cost(tasks, world, cm)
         else:
             raise ValueError(f"unknown strategy {s!r}")
         row = cost.row(tasks)
+        if s == "team":
+            row.update(extra)
         if transport:
             peers = max(cost.peers) if cost.peers else None
             row["max_peers"] = "-" if peers is None else peers

@@ -53,7 +53,7 @@ OPTIMIZER_TYPE = "DsMuon"
 # Muon keywords that are not settings (objects ds_muon fills in from the engine), or that
 # cannot apply under DeepSpeed (its gradients are final only inside its own reduction)
 _NOT_FROM_CONFIG = ("self", "params", "process_group", "model", "dispatch_in_backward", "apply_in_forward", "adapter")
-_GROUP_KEYS = ("adam_lr", "adam_weight_decay", "routers")
+_GROUP_KEYS = ("adam_lr", "adam_weight_decay", "routers", "split_fused", "exclude", "include")
 _ENTRY_KEYS = ("adam_kernel",)  # entry settings that are neither Muon keywords nor group keys
 
 

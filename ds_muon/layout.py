@@ -67,6 +67,10 @@ class MatrixSlot:
     None when nothing; it sits at ``local_offset`` of the binding's flat data.
     ``transposed``: the tensor is stored ``[in, out]`` (:func:`ds_muon.transposed`), recorded
     here for bindings whose tensor is a flat partition that cannot carry the tag itself.
+    ``local_view``: when the piece is not contiguous in the local data (a column block or an
+    interleaved block of a fused projection, :func:`ds_muon.fused_blocks`), the strided views that
+    hold it, ``((offset from local_offset, sizes, strides), ...)``: their row-major orders, one
+    after the other, are the piece's.
     """
 
     key: str
@@ -74,6 +78,7 @@ class MatrixSlot:
     piece: Optional[Piece]
     local_offset: int = 0
     transposed: bool = False
+    local_view: Optional[Tuple[Tuple[int, Tuple[int, ...], Tuple[int, ...]], ...]] = None
 
     @property
     def matrix_shape(self) -> Tuple[int, int]:
@@ -103,7 +108,10 @@ class ParamBinding:
     ``flat(t)`` maps the parameter, its gradient or any state tensor created
     ``zeros_like`` it to the 1-D local data the rank owns (a view: writes land in
     the buffers the stack owns).  ``adam_ranges`` are the (offset, numel) slices
-    that take AdamW in a tensor that mixes both (FSDP1 flat parameters).  ``copied``: the
+    that take AdamW in a tensor that mixes both (FSDP1 flat parameters) and that this
+    rank holds; ``mixed`` says the tensor mixes both on *some* rank, so that every rank
+    keeps its AdamW state keys and step count (FSDP's optimizer state dict gathers them
+    from every rank).  ``copied``: the
     parameter has no flat view (a strided slice such as ``w[..., 0]``), so ``flat(param)`` is a
     copy, read afresh at every use, and the results are copied back into the parameter; its
     gradient and state are contiguous (autograd and ``zeros_like`` make them so), flat as views.
@@ -115,6 +123,12 @@ class ParamBinding:
     adam_ranges: List[Tuple[int, int]] = field(default_factory=list)
     group: Optional[dist.ProcessGroup] = None
     copied: bool = False  # flat(param) is a copy (no flat view exists): results are copied back in
+    mixed: bool = False
+
+    @property
+    def has_adam(self) -> bool:
+        """AdamW state belongs to this tensor (its rank holds AdamW slices, or another rank does)."""
+        return bool(self.adam_ranges) or self.mixed
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from .pieces import WavePieces
 from .state_check import check_loaded_state, check_state
 from .summary import Summary, log_first_step, summarize
 from .tags import restore_tags
+from .team import TeamGroups
 from .planner import STRATEGIES, CostModel
 
 MODES = ("sharded", "duplicated")
@@ -87,7 +88,10 @@ class Muon(Optimizer):
     is attached after ``deepspeed.initialize`` (:meth:`attach`).
     ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.planner`): ``"auto"`` (default)
     gives replicated matrices (DDP, HSDP replica groups) extra homes where the cost model says
-    running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise.
+    running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise;
+    with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
+    ranks, each orthogonalizing a column block (:mod:`~ds_muon.team`; not bitwise equal to one
+    process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """
@@ -116,6 +120,7 @@ class Muon(Optimizer):
         comm_dtype=None,
         planner: str = "auto",
         cost_model: Optional[CostModel] = None,
+        team_ns: bool = True,
         overlap: bool = False,
         waves: int = 4,
         dispatch_in_backward: bool = True,
@@ -142,6 +147,7 @@ class Muon(Optimizer):
         self.model = model
         self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
+        self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.team)
         self.cost_model = cost_model  # None: CostModel.for_device of where NS runs (planning_cost_model)
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
@@ -172,6 +178,7 @@ class Muon(Optimizer):
         self._resolved: Dict[tuple, tuple] = {}
         self._exchanges = ExchangeCache()
         self._exchange_groups = ExchangeGroups()  # the exchange's own process groups, kept across re-sharding
+        self._team_groups = TeamGroups()  # team NS's process groups (one per member set), kept likewise
         self._agreement = Agreement()  # the step's check (caches rows and the mesh group)
         self._final_grads: Optional[tuple] = None  # (binding signature, ids whose grad hooks see final grads)
         self._pieces: "weakref.WeakKeyDictionary[Exchange, WavePieces]" = weakref.WeakKeyDictionary()
@@ -199,7 +206,8 @@ class Muon(Optimizer):
         return self.overlap_settings.apply_in_forward
 
     # -- copies, pickling and loading --------------------------------------------
-    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner",
+    team_ns = True  # (an optimizer pickled before team NS existed reads the default)
+    _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner", "team_ns",
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips", "log_summary")
     _NOT_CARRIED = ("model", "process_group")
 
@@ -442,7 +450,7 @@ class Muon(Optimizer):
                     if id(p) in settled or "exp_avg" in st:
                         continue
                     b = self._bindings.get(id(p))
-                    if b is not None and b.adam_ranges:  # mixed flat shard (FSDP1)
+                    if b is not None and b.has_adam:  # mixed flat parameter (FSDP1), on every rank
                         st["step"] = torch.tensor(0.0, dtype=torch.float32)
                         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -514,7 +522,7 @@ class Muon(Optimizer):
         ``adam_weight_decay`` (default 0).  One step count per tensor, shared by its slices.
         """
         views = ([], [], [], [], [])
-        for p in self._skip_empty([p for p in params if self._bindings[id(p)].adam_ranges]):
+        for p in self._skip_empty([p for p in params if self._bindings[id(p)].has_adam]):
             b, st = self._bindings[id(p)], self.state[p]
             flats = [b.flat(t) for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
             for off, n in b.adam_ranges:
@@ -549,7 +557,7 @@ class Muon(Optimizer):
         for g in self.param_groups:
             if not g["use_muon"]:
                 self._adamw(g, [p for p in g["params"] if id(p) in active])
-            elif any(b.adam_ranges for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
+            elif any(b.has_adam for b in (self._bindings.get(id(p)) for p in g["params"]) if b is not None):
                 self._adamw_ranges(g, [p for p in g["params"] if id(p) in active])
 
     def _active_matrices(self, active: set) -> List[Tuple[Layout, List[int]]]:
@@ -572,7 +580,8 @@ class Muon(Optimizer):
                 layout, todo, self._muon_groups(), mode=self.mode, planner=self.planner,
                 cost_model=self.planning_cost_model(),
                 comm_dtype=self.comm_dtype, waves=self.waves, group=self._exchange_groups.of(layout.group),
-                offload=bool(getattr(self.adapter, "offload", False))))
+                offload=bool(getattr(self.adapter, "offload", False)),
+                team_ns=self.team_ns, team_groups=self._team_groups))
             jobs.extend(_Job(key, layout, ex, ns_of) for ex, ns_of in compiled)
         return jobs
 

@@ -7,15 +7,19 @@ expert stacks) and refuses models whose shapes a stack has hidden.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .experts import check_matrix_dims, check_routers, param_modules, tag_fused_experts
+from .experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .layout import global_shape
-from .selection import HEAD_NAMES, param_reasons, split_params, stores_in_out
-from .tags import shape_tags, split_rows, transposed
+from .models.fused import apply_fused_plan
+from .models.kinds import CONV, HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
+from .selection import HEAD_NAMES, split_params, stores_in_out
+from .tags import EXPERTS, expert_weight, is_tagged, shape_tags, split_rows, transposed
+
 
 def muon_param_groups(
     model: nn.Module,
@@ -26,62 +30,183 @@ def muon_param_groups(
     head_names: Sequence[str] = HEAD_NAMES,
     split_attention: Optional[str] = None,
     routers: str = "adamw",
+    split_fused: bool = True,
+    exclude: Sequence[str] = (),
+    include: Sequence[str] = (),
     **muon_options,
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
 
-    Groups record ``param_names`` so errors and reports can name tensors, and
-    ``param_reasons`` (why each took Muon or AdamW) for :meth:`ds_muon.Muon.summary`.  An
-    FSDP1-wrapped model is read through its flat parameters' metadata.
-    ``head_names`` overrides which module names count as output heads; extra
-    keyword arguments go into the Muon group (e.g. ``ns_steps=6``).
+    Which tensor takes which is decided by :mod:`ds_muon.models.kinds` from what each module
+    does and what the model's config says (the rules table is in the README).  Groups record
+    ``param_names`` so errors and reports can name tensors, ``param_reasons`` (why each took Muon
+    or AdamW) and ``param_kinds`` for :meth:`ds_muon.Muon.summary`.  An FSDP1-wrapped model is
+    read through its flat parameters' metadata.  ``head_names`` are the module names that count
+    as output heads in models without transformers' ``get_output_embeddings()`` (given, they apply
+    to every model); extra keyword arguments go into the Muon group (e.g. ``ns_steps=6``).
 
-    Split blocks (:func:`ds_muon.split_rows`): a module that declares
-    ``ds_muon_row_blocks = {param_name: sizes}`` (``sizes`` a list or a dict
-    ``{label: rows}``; names relative to the module) has those tensors tagged.
-    ``split_attention="qkv"`` also splits every ``nn.MultiheadAttention``'s fused
-    ``in_proj_weight`` into q, k, v; ``"heads"`` into one block per head of each.
-    Weights of transformers' ``Conv1D`` (GPT-2), stored ``[in, out]``, are tagged
-    :func:`ds_muon.transposed` so their scale factor reads ``[out, in]``.
+    Fused projections (``[q | k | v]``, ``[gate | up]``, 2-D expert stacks) are split into their
+    blocks, read from the config (:mod:`ds_muon.models.fused`); ``split_fused=False`` keeps each
+    whole.  ``split_attention="heads"`` splits q, k and v into one block per head (HF attention and
+    ``nn.MultiheadAttention``); ``"qkv"`` also splits ``nn.MultiheadAttention``'s ``in_proj_weight``.
+    Modules may declare ``ds_muon_row_blocks = {param_name: sizes}`` (:func:`ds_muon.split_rows`).
 
-    MoE (:mod:`ds_muon.experts`): transformers' fused expert stacks are one matrix
-    per expert, ``gate_up_proj`` split into gate and up; expert biases take AdamW;
-    routers take AdamW unless ``routers="muon"``.  Any other Muon tensor of 3+ dims
-    that is not a conv weight raises (tag it :func:`ds_muon.expert_weight`, or build
-    the groups yourself).
+    ``exclude`` / ``include``: names or glob patterns (``"*.A_log"``) of tensors sent to AdamW /
+    Muon whatever the rules say, applied after them and shown in ``summary()``.
+
+    MoE (:mod:`ds_muon.experts`): fused expert stacks are one matrix per expert, ``gate_up_proj``
+    split into gate and up; expert biases take AdamW; routers (a ``*Router``, a Linear whose outputs
+    equal the config's expert count) take AdamW unless ``routers="muon"``.
+
+    Raw parameters (a bare ``nn.Parameter`` of a module that is not a linear map: ``A_log``,
+    position tables, cls tokens) take AdamW, with one warning listing those of 2+ dims.  When every
+    hidden matrix is frozen, the trainable tensors go to one AdamW group (with one warning).
     """
     check_routers(routers)
+    if not isinstance(split_fused, bool):
+        raise ValueError(f"muon_param_groups: split_fused={split_fused!r} must be True or False")
+    exclude, include = _patterns("exclude", exclude), _patterns("include", include)
     tag_row_blocks(model, split_attention)
 
     if is_fsdp1_model(model):  # FSDP1 hides original shapes: read them from its flat parameters
+        if exclude or include or not split_fused:
+            raise NotImplementedError("muon_param_groups: exclude=, include= and split_fused=False need the model "
+                                      "before FSDP1 wraps it (or use_orig_params=True after building the groups)")
         return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
                                  **muon_options)
     check_shapes_are_known(model)
-    muon, adam = split_params_checked(model, head_names, routers)
-    why = param_reasons(model, head_names, routers)  # what Muon.summary() shows
+    rules = Rules(model, head_names, routers, split_fused, split_attention)
+    decided = classify(model, rules)
+    _tag_fused(model, decided, split_fused)
+    decided = _override(decided, exclude, include)
+    owners = param_modules(model)
+    muon = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
+            and decided[id(p)][1].muon]
+    adam = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
+            and not decided[id(p)][1].muon]
+    for name, p in muon:
+        if decided[id(p)][1].kind != CONV:  # a conv weight is one [out, in·k…] matrix
+            check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
+    _warn_raw(decided, model)
     if not muon and not adam:
         raise ValueError("muon_param_groups: the model has no trainable parameters")
     if not muon:
-        raise ValueError(
-            f"muon_param_groups: no hidden weight matrix found among {len(adam)} trainable tensors (every one is an "
-            f"embedding, an output head ({list(head_names)}), or has fewer than 2 dimensions), so Muon would train "
-            "nothing and everything would silently run AdamW. Use AdamW itself for such a model, or pass "
-            "head_names= if a hidden layer is named like a head")
-    groups = [{"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
-               "param_tags": [shape_tags(p) for _, p in muon],  # restored if a stack swaps the tensors
-               "param_reasons": [why[id(p)] for _, p in muon],
-               "lr": lr, "weight_decay": weight_decay, **muon_options}]
+        frozen = _frozen_hidden(model, rules)
+        if not frozen:
+            raise ValueError(
+                f"muon_param_groups: no hidden weight matrix found among {len(adam)} trainable tensors (every one is "
+                f"an embedding, an output head ({list(head_names)}), or has fewer than 2 dimensions), so Muon would "
+                "train nothing and everything would silently run AdamW. Use AdamW itself for such a model, pass "
+                "include= for a tensor that is a hidden linear map, or head_names= if a hidden layer is named like a "
+                "head")
+        _warn_once(f"ds_muon.muon_param_groups: every hidden matrix is frozen ({len(frozen)}, e.g. {frozen[0]}); "
+                   f"the {len(adam)} trainable tensors (embeddings, heads, norms) train with AdamW")
+    why = {i: d.reason for i, (_, d) in decided.items()}
+    kinds = {i: d.kind for i, (_, d) in decided.items()}
+    groups = []
+    if muon:
+        groups.append({"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
+                       "param_tags": [shape_tags(p) for _, p in muon],  # restored if a stack swaps the tensors
+                       "param_reasons": [why[id(p)] for _, p in muon],
+                       "param_kinds": [kinds[id(p)] for _, p in muon],
+                       "lr": lr, "weight_decay": weight_decay, **muon_options})
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
-                       "param_reasons": [why[id(p)] for _, p in adam], "lr": adam_lr,
+                       "param_reasons": [why[id(p)] for _, p in adam],
+                       "param_kinds": [kinds[id(p)] for _, p in adam], "lr": adam_lr,
                        "weight_decay": adam_weight_decay})
     return groups
 
 
-def split_params_checked(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"):
-    """:func:`split_params` after tagging fused expert stacks, with every 3+-D Muon tensor checked
-    to be a conv weight or an expert stack (so none is silently one wide matrix)."""
+def _patterns(what: str, value) -> Tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    value = tuple(value)
+    if any(not isinstance(v, str) or not v for v in value):
+        raise ValueError(f"muon_param_groups: {what}= takes parameter names or glob patterns (strings), got {value!r}")
+    return value
+
+
+def _override(decided: Dict[int, Tuple[str, Decision]], exclude, include):
+    """``exclude`` to AdamW, ``include`` to Muon (a name in both raises); unmatched patterns raise."""
+    used = set()
+    out = dict(decided)
+    for i, (name, d) in decided.items():
+        ex, inc = matches(name, exclude), matches(name, include)
+        if ex and inc:
+            raise ValueError(f"muon_param_groups: {name} matches both exclude={ex!r} and include={inc!r}")
+        if ex:
+            used.add(ex)
+            out[i] = (name, Decision(d.kind, False, f"exclude={ex!r} ({d.kind})"))
+        elif inc:
+            used.add(inc)
+            out[i] = (name, Decision(d.kind, True, f"{HIDDEN_MATRIX}, include={inc!r} ({d.kind})", d.plan))
+    unused = [p for p in exclude + include if p not in used]
+    if unused:
+        raise ValueError(f"muon_param_groups: {unused} match no trainable parameter; patterns are full names "
+                         "as model.named_parameters() gives them, or globs like '*.A_log'")
+    return out
+
+
+def _tag_fused(model: nn.Module, decided, split_fused: bool) -> None:
+    """Tag the fused projections the rules split, then transformers' expert stacks (whole per expert
+    with ``split_fused=False``)."""
+    for _, p in model.named_parameters():
+        entry = decided.get(id(p))
+        if entry is None or entry[1].plan is None or is_tagged(p):
+            continue
+        apply_fused_plan(p, entry[1].plan, entry[0])
+    if not split_fused:
+        for mod_name, mod in model.named_modules():
+            if not is_fused_experts(mod):
+                continue
+            for pname, p in mod.named_parameters(recurse=False):
+                plan = None
+                try:
+                    plan = stack_plan(mod, pname, global_shape(p), pname)
+                except NotImplementedError:  # interleaved gate/up: whole per expert is what was asked
+                    plan = True
+                if plan is not None and p.requires_grad and not getattr(p, EXPERTS, False):
+                    expert_weight(p)
+                    if bool(mod.is_transposed):
+                        transposed(p)
     tag_fused_experts(model)
+
+
+def _warn_raw(decided, model: nn.Module) -> None:
+    shapes = {id(p): global_shape(p) for p in model.parameters()}
+    raw = [(n, shapes[i]) for i, (n, d) in decided.items() if d.kind == RAW and not d.muon and len(shapes[i]) >= 2]
+    if raw:
+        listed = ", ".join(f"{n} {tuple(s)}" for n, s in raw[:8]) + (f" and {len(raw) - 8} more" if len(raw) > 8 else "")
+        _warn_once(f"ds_muon.muon_param_groups: {len(raw)} raw parameter(s) of 2+ dims take AdamW: {listed}. They are "
+                   "bare nn.Parameters of modules that are not linear maps (state-space A_log, position tables, "
+                   "tokens, bias tables). If one is a hidden linear map, opt it in: "
+                   "muon_param_groups(model, include=['<name or glob>'])")
+
+
+def _frozen_hidden(model: nn.Module, rules: Rules) -> List[str]:
+    out = []
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad and rules.decide(mod_name, mod, pname, global_shape(p), p).muon:
+                out.append(f"{mod_name}.{pname}" if mod_name else pname)
+    return out
+
+
+def _warn_once(message: str) -> None:
+    """One warning, on rank 0 only (every rank builds the same groups)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def split_params_checked(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"):
+    """:func:`split_params` after tagging fused projections and expert stacks, with every 3+-D Muon
+    tensor checked to be a conv weight or an expert stack (so none is silently one wide matrix)."""
+    rules = Rules(model, head_names, routers)
+    _tag_fused(model, classify(model, rules), True)
     muon, adam = split_params(model, head_names, routers)
     owners = param_modules(model)
     for name, p in muon:

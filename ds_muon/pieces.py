@@ -15,6 +15,7 @@ whose flat views the exchange reads, instead of new tensors every step.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -34,13 +35,25 @@ class WavePieces:
             piece = slot.piece
             if piece is None or piece.numel == 0:
                 continue
-            entries.append((group_index[id(b.param)], slot.shape, slot.transposed, i, b, slot.local_offset,
-                            piece.numel))
+            key = (group_index[id(b.param)], slot.shape, slot.transposed)
+            if slot.local_view is None:
+                entries.append(key + (i, b, slot.local_offset, piece.numel, None, None))
+                continue
+            start = 0  # a strided piece: one entry per strided view of it, in the piece's order
+            for rel, sizes, strides in slot.local_view:
+                n = math.prod(sizes)
+                entries.append(key + (i, b, slot.local_offset + rel, n, (tuple(sizes), tuple(strides)),
+                                      (start, n) if len(slot.local_view) > 1 else None))
+                start += n
         entries.sort(key=lambda e: e[:3])  # stable: layout order within a kind
         self.idx = [e[3] for e in entries]
         self.bindings: List[ParamBinding] = [e[4] for e in entries]
         self.params = [b.param for b in self.bindings]
         self.spans = [(e[5], e[6]) for e in entries]
+        self.views = [e[7] for e in entries]  # (sizes, strides) of a strided local piece, else None
+        self.subs = [e[8] for e in entries]  # (start, numel) in its matrix piece of a piece held in several views
+        self._multi = {i for i, sub in zip(self.idx, self.subs) if sub is not None}
+        self._strided = any(v is not None for v in self.views)
         # runs of equal param group (the update's inputs) and of equal (group, shape, transposed) (its coefficients)
         self.group_indices = [e[0] for e in entries]
         self.groups = _runs(self.group_indices)
@@ -70,10 +83,11 @@ class WavePieces:
             return
         self._whole = [_whole(b, p, lp, off, n)
                        for p, lp, b, (off, n) in zip(self.params, lps, self.bindings, self.spans)]
-        self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
+        self._param_flats = [_cut(b, p, off, n, v)
+                             for b, p, (off, n), v in zip(self.bindings, self.params, self.spans, self.views)]
         self._param_pieces = [lp if w else f for lp, w, f in zip(lps, self._whole, self._param_flats)]
-        self._buf_flats = [_cut(b, state[p]["momentum_buffer"], off, n)
-                           for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
+        self._buf_flats = [_cut(b, state[p]["momentum_buffer"], off, n, v)
+                           for b, p, (off, n), v in zip(self.bindings, self.params, self.spans, self.views)]
         self._bufs = [lm if w else f for lm, w, f in zip(lms, self._whole, self._buf_flats)]
         self._inputs.clear()
         self._keep = lps + lms
@@ -100,14 +114,15 @@ class WavePieces:
             return _locals([p.grad for p in self.params])
         out = []
         flats: Dict[int, torch.Tensor] = {}
-        for p, b, w, (off, n) in zip(self.params, self.bindings, self._whole, self.spans):
+        for p, b, w, (off, n), v in zip(self.params, self.bindings, self._whole, self.spans, self.views):
             if w:
                 out.append(_locals([p.grad])[0])
             else:
                 flat = flats.get(id(p))
                 if flat is None:
                     flat = flats[id(p)] = b.flat(p.grad)
-                out.append(flat if off == 0 and n == flat.numel() else flat[off:off + n])
+                out.append(_strided(flat, off, v) if v is not None
+                           else flat if off == 0 and n == flat.numel() else flat[off:off + n])
         return out
 
     def _kept_inputs(self, a: int, z: int, grads: List[torch.Tensor]):
@@ -144,13 +159,22 @@ class WavePieces:
                                    out=kept[0] if kept is not None else None)
             if kept is not None:
                 flats = kept[1]
-            elif commit and not g["nesterov"]:
+            elif commit and not g["nesterov"] and not self._strided:
                 flats = self._buf_flats[a:z]
             else:
                 flats = [t.reshape(-1) for t in inputs]
-            pieces.update(zip(self.idx[a:z], flats))
+            if self._multi:
+                for i, f in zip(self.idx[a:z], flats):
+                    if i in self._multi:
+                        pieces.setdefault(i, []).append(f)
+                    else:
+                        pieces[i] = f
+            else:
+                pieces.update(zip(self.idx[a:z], flats))
             if not commit:
                 commits.extend(zip(self._bufs[a:z], new))
+        for i in self._multi:  # the exchange sends a piece held in several views as one
+            pieces[i] = torch.cat([f.reshape(-1) for f in pieces[i]])
         return pieces, commits
 
     def _group_of(self, a: int) -> int:
@@ -167,15 +191,18 @@ class WavePieces:
             pass  # the step's own apply: the views were checked by its inputs
         elif [t.data_ptr() for t in _locals(self.params)] != self._param_ptrs:  # moved since (or never bound)
             lps = _locals(self.params)
-            self._param_flats = [_cut(b, p, off, n) for b, p, (off, n) in zip(self.bindings, self.params, self.spans)]
+            self._param_flats = [_cut(b, p, off, n, v)
+                                 for b, p, (off, n), v in zip(self.bindings, self.params, self.spans, self.views)]
             self._param_ptrs = [t.data_ptr() for t in lps]
             self._ptrs = None  # the inputs' views are made again at their next use
             self._copied = [k for k, b in enumerate(self.bindings) if b.copied]
         if self._copied:
             self._fresh_copies()
         ordered = [results[i] for i in self.idx]
+        if self._multi:
+            ordered = [r if sub is None else r.reshape(-1)[sub[0]:sub[0] + sub[1]] for r, sub in zip(ordered, self.subs)]
         if self._flat_results is None:  # the exchange hands out the same kinds of pieces every step
-            self._flat_results = all(r.dim() == 1 for r in ordered)
+            self._flat_results = all(r.dim() == 1 for r in ordered) and not self._strided
         for (a, z, _, _, _), (decay, alpha) in zip(self.kinds, coefficients):
             apply_result(self._param_flats[a:z], ordered[a:z], decay, alpha, self._flat_results)
         if self._copied:
@@ -187,9 +214,17 @@ def _locals(ts: List[torch.Tensor]) -> List[torch.Tensor]:
     return [t._local_tensor if isinstance(t, _DTENSOR) else t for t in ts]
 
 
-def _cut(b: ParamBinding, t: torch.Tensor, off: int, n: int) -> torch.Tensor:
+def _cut(b: ParamBinding, t: torch.Tensor, off: int, n: int, view=None) -> torch.Tensor:
     flat = b.flat(t)
+    if view is not None:
+        return _strided(flat, off, view)
     return flat if off == 0 and n == flat.numel() else flat[off:off + n]
+
+
+def _strided(flat: torch.Tensor, off: int, view) -> torch.Tensor:
+    """A strided piece (:attr:`~ds_muon.layout.MatrixSlot.local_view`) of a flat local tensor, as a view."""
+    sizes, strides = view
+    return flat.as_strided(sizes, strides, flat.storage_offset() + off)
 
 
 def _runs(keys: list) -> List[Tuple[int, int]]:

@@ -1,14 +1,10 @@
-"""Which tensors take Muon: hidden weight matrices.  Everything else takes AdamW.
+"""Which tensors take Muon: weights their modules apply as linear maps of hidden features.
+Everything else takes AdamW.
 
-Embeddings and the output head are matrices too, but Muon's orthogonal update is
-wrong for them (their rows are looked up, not mixed), so they go to AdamW along
-with norms and biases.  A head is a weight tied to an embedding or one whose
-module is named like ``lm_head``/``head``/``output``/``classifier``.  Routers and
-expert biases of MoE layers take AdamW too (:func:`ds_muon.experts.takes_adamw`).
-
-The rules read a model (:func:`split_params`) or one original tensor of a model a
-stack flattened (:func:`is_muon_param`, FSDP1); :mod:`ds_muon.param_groups` and
-the FSDP1 adapter both apply them.
+The rules live in :mod:`ds_muon.models.kinds` (module semantics, the model's API for its ends,
+the config); this module is the entry point every path calls.  It reads a model
+(:func:`split_params`, :func:`param_reasons`) or one original tensor of a model a stack
+flattened (:func:`param_reason`, FSDP1).
 """
 
 from __future__ import annotations
@@ -17,71 +13,43 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from .experts import adamw_role
-from .layout import global_shape
+from .models.kinds import (EMBEDDING, EMBEDDING_TYPES, HEAD_NAMES, HIDDEN_MATRIX, OUTPUT_HEAD, Rules,  # noqa: F401
+                           classify, rules_of)
 
-HEAD_NAMES: Tuple[str, ...] = ("lm_head", "head", "output", "classifier")
-EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
-
-
-HIDDEN_MATRIX = "hidden matrix"  # the reason a tensor takes Muon; every other reason means AdamW
-EMBEDDING, OUTPUT_HEAD = "embedding", "output head"
-
-
-def _role(module_name: str, module: nn.Module, pname: str, head_names: Sequence[str], routers: str):
-    """The module role that sends a tensor to AdamW whatever its shape (None: none does)."""
-    if isinstance(module, EMBEDDING_TYPES):
-        return EMBEDDING
-    if module_name.rsplit(".", 1)[-1] in head_names:
-        return OUTPUT_HEAD
-    return adamw_role(module, pname, routers)  # routers, expert biases
+__all__ = ["HEAD_NAMES", "EMBEDDING_TYPES", "HIDDEN_MATRIX", "EMBEDDING", "OUTPUT_HEAD", "param_reasons",
+           "split_params", "param_reason", "is_muon_param", "stores_in_out"]
 
 
 def param_reasons(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES,
-                  routers: str = "adamw") -> Dict[int, str]:
-    """Why each trainable parameter (by id) takes Muon (:data:`HIDDEN_MATRIX`) or AdamW: the rules
-    of this module, the one place they are decided.  AdamW reasons are the roles of the modules that
-    own it (``"embedding"``, ``"output head"``, ``"router"``, ``"expert bias"``; a tied weight may
-    have two, joined by ", "), else ``"1-D"`` (``"0-D"``) for tensors that are not matrices."""
-    roles: Dict[int, List[str]] = {}
-    for mod_name, mod in model.named_modules():
-        for n, p in mod.named_parameters(recurse=False):
-            role = _role(mod_name, mod, n, head_names, routers)
-            if role is not None and role not in roles.setdefault(id(p), []):
-                roles[id(p)].append(role)
-    out: Dict[int, str] = {}
-    for _, p in model.named_parameters():  # a tied weight appears once
-        if p.requires_grad:
-            out[id(p)] = ", ".join(roles.get(id(p), [])) or _by_shape(global_shape(p))
-    return out
-
-
-def _by_shape(shape: Sequence[int]) -> str:
-    return HIDDEN_MATRIX if len(shape) >= 2 else f"{len(shape)}-D"
+                  routers: str = "adamw", **options) -> Dict[int, str]:
+    """Why each trainable parameter (by id) takes Muon (a reason starting :data:`HIDDEN_MATRIX`) or
+    AdamW (its kind: ``"embedding"``, ``"output head"``, ``"router"``, ``"raw parameter …"``, …)."""
+    return {i: d.reason for i, (_, d) in classify(model, head_names=head_names, routers=routers,
+                                                    **options).items()}
 
 
 def split_params(
-    model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"
+    model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw", **options
 ) -> Tuple[List[Tuple[str, nn.Parameter]], List[Tuple[str, nn.Parameter]]]:
     """(muon, adamw) lists of ``(name, parameter)`` in ``model.named_parameters()`` order."""
-    reasons = param_reasons(model, head_names, routers)
+    decided = classify(model, head_names=head_names, routers=routers, **options)
     muon, adam = [], []
     for name, p in model.named_parameters():  # a tied weight appears once
-        if id(p) in reasons:
-            (muon if reasons[id(p)] == HIDDEN_MATRIX else adam).append((name, p))
+        if id(p) in decided and decided[id(p)][0] == name:
+            (muon if decided[id(p)][1].muon else adam).append((name, p))
     return muon, adam
 
 
 def param_reason(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
                  head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
     """:func:`param_reasons` for one original tensor of ``module`` (where parameters are flattened, FSDP1)."""
-    return _role(module_name, module, name, head_names, routers) or _by_shape(shape)
+    return rules_of(module, head_names, routers).decide(module_name, module, name, shape).reason
 
 
 def is_muon_param(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
                   head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
     """The same rule for one original tensor (used where parameters are flattened, FSDP1)."""
-    return param_reason(name, shape, module_name, module, head_names, routers) == HIDDEN_MATRIX
+    return rules_of(module, head_names, routers).decide(module_name, module, name, shape).muon
 
 
 def stores_in_out(module: nn.Module, pname: str) -> bool:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import MatrixSlot, Piece, global_shape, matrix_shape, slots_in_range
-from .tags import EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
+from .tags import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
 
 Block = Tuple[str, Tuple[int, int], int]  # key, 2-D shape, start in the tensor's row-major flattening
 
@@ -29,6 +29,8 @@ def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
     ``name[label]``, experts ``name[e]``.
     """
     shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))
+    if getattr(param, BLOCKS, None) is not None:
+        return [(k, bshape, off) for k, bshape, off, _, _ in strided_blocks(param, name, shape)]
     split = getattr(param, SPLIT_ROWS, None)
     if getattr(param, EXPERTS, False):
         if len(shape) < 3:
@@ -57,10 +59,94 @@ def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
     return out
 
 
+StridedBlock = Tuple[str, Tuple[int, int], int, Tuple[int, ...], Tuple[int, ...]]
+
+
+def strided_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None) -> List[StridedBlock]:
+    """The :func:`~ds_muon.tags.fused_blocks` of a tensor: ``(key, (rows, cols), offset, sizes, strides)``,
+    each block the 4-D view ``[row runs, run rows, col runs, run cols]`` of the tensor's row-major
+    flattening from ``offset`` (its row-major order is the block's)."""
+    shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))
+    if getattr(param, EXPERTS, False):
+        rows, cols = shape[1], math.prod(shape[2:])
+        bases = [(f"{name}[{e}]", e * rows * cols) for e in range(shape[0])]
+    else:
+        rows, cols = matrix_shape(shape)
+        bases = [(name, 0)]
+    out = []
+    for key, base in bases:
+        for label, (r0, rl, rn, rp), (c0, cl, cn, cp) in getattr(param, BLOCKS):
+            out.append((f"{key}[{label}]", (rn * rl, cn * cl), base + r0 * cols + c0,
+                        (rn, rl, cn, cl), (rp * cols, cols, cp, 1)))
+    return out
+
+
+def _position(i: int, sizes, strides) -> int:
+    """Where element ``i`` (row-major) of a strided view sits in the flattening it views."""
+    pos = 0
+    for n, st in zip(reversed(sizes), reversed(strides)):
+        i, r = divmod(i, n)
+        pos += r * st
+    return pos
+
+
+def _count_before(x: int, offset: int, sizes, strides, numel: int) -> int:
+    """How many elements of a strided block (positions increase with the index) sit before ``x``."""
+    lo, hi = 0, numel
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if offset + _position(mid, sizes, strides) < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _range_views(sizes, strides, a: int, b: int) -> list:
+    """Elements ``[a, b)`` (row-major) of a strided view as few strided views, in order:
+    ``[(start index, sizes, strides), ...]`` (one where a rank holds whole runs, more where a flat
+    shard cuts a run)."""
+    views, pos = [], a
+    while pos < b:
+        for k in range(len(sizes)):  # the coarsest dim whose whole sub-blocks start here
+            inner = math.prod(sizes[k + 1:])
+            if pos % inner:
+                continue
+            end = min(b, (pos // (inner * sizes[k]) + 1) * inner * sizes[k])
+            count = (end - pos) // inner
+            if count >= 1:
+                views.append((pos, (count,) + tuple(sizes[k + 1:]), tuple(strides[k:])))
+                pos += count * inner
+                break
+    return views
+
+
+def _strided_slots(param, name, lo, hi, local_offset, shape) -> List[MatrixSlot]:
+    """Slots of a fused-blocks tensor for a rank holding ``[lo, hi)`` of its flattening: each block's
+    held elements are a contiguous piece of the block, read through one strided local view."""
+    slots = []
+    for key, bshape, off, sizes, strides in strided_blocks(param, name, shape):
+        numel = bshape[0] * bshape[1]
+        a = _count_before(lo, off, sizes, strides, numel)
+        b = _count_before(hi, off, sizes, strides, numel) if hi > lo else a
+        if b <= a:
+            slots.append(MatrixSlot(key, tuple(bshape), None, 0, transposed=is_transposed(param)))
+            continue
+        views = _range_views(sizes, strides, a, b)
+        first = off + _position(a, sizes, strides)
+        local = tuple((off + _position(start, sizes, strides) - first, vsizes, vstrides)
+                      for start, vsizes, vstrides in views)
+        slots.append(MatrixSlot(key, tuple(bshape), Piece(a, b - a), first - lo + local_offset,
+                                transposed=is_transposed(param), local_view=local))
+    return slots
+
+
 def block_slots(param: torch.Tensor, name: str, lo: int, hi: int, local_offset: int = 0,
                 shape: Optional[Sequence[int]] = None) -> List[MatrixSlot]:
     """Slots for a rank holding ``[lo, hi)`` of the tensor's global flattening at ``local_offset``
     of its flat local data (pieces clipped to each block; None where it holds none of one)."""
+    if getattr(param, BLOCKS, None) is not None:
+        return _strided_slots(param, name, lo, hi, local_offset, shape)
     blocks = logical_blocks(param, name, shape)
     if hi <= lo:
         slots = [MatrixSlot(k, tuple(s), None, 0) for k, s, _ in blocks]

@@ -57,7 +57,8 @@ def check_loaded_state(groups: List[dict], state_dict: Mapping, name: Callable[[
                 raise ValueError(
                     f"ds_muon: loaded state of {name(gi, pi)}: {key!r} is {v.dtype}, not a real floating-point "
                     "tensor; nothing was loaded")
-        _check_adamw_keys(st, name(gi, pi), "loaded state of ")
+        if not groups[gi]["use_muon"]:  # a Muon tensor's moments (FSDP1 mixed slices) carry no step of their own
+            _check_adamw_keys(st, name(gi, pi), "loaded state of ")
 
 
 def _check_adamw_keys(st: Mapping, who: str, what: str = "") -> None:

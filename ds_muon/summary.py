@@ -46,6 +46,7 @@ from .compile import compile_exchanges, ns_settings, planner_task
 from .exchange import Exchange
 from .layout import Layout, global_shape
 from .newton_schulz import ns_flops
+from .planner import team_member_flops, team_widths
 from .scaling import get_muon_scale_factor
 from .summary_file import summary_from_dict
 
@@ -69,6 +70,7 @@ class MatrixRow:
     ns_method: str
     wire_bytes: int  # bytes per element of its gather
     groups: Tuple[Tuple[int, ...], ...] = ()  # replica groups of its domain (HSDP; the planner's input too)
+    team: int = 0  # team size when a team of ranks (``homes``) runs its NS in column blocks (ds_muon.team), else 0
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,8 @@ def _matrix_cells(m: MatrixRow, name: str) -> Tuple[str, str, str, str]:
     key = m.key[len(name):] if m.key.startswith(name) and m.key != name else m.key
     # several homes: mode="duplicated" (every rank) or planner="auto"'s extra homes (some ranks)
     homes = ",".join(map(str, m.homes)) if len(m.homes) <= 4 else f"{len(m.homes)} ranks"
+    if m.team:
+        homes = f"team of {m.team}: {homes}"
     return (key if key != name else "", f"{m.shape[0]} x {m.shape[1]}", f"{m.scale:.4g}", homes)
 
 
@@ -239,6 +243,8 @@ def _as_rank(ex: Exchange, rank: int) -> Exchange:
     (Which matrices share one batched NS call at a home, ``stack_key``, changes no byte.)"""
     if rank == ex.rank:
         return ex
+    if hasattr(ex, "for_rank"):  # a TeamExchange
+        return ex.for_rank(rank)
     return Exchange(dataclasses.replace(ex.layout, rank=rank), ex.active, ex.homes, {i: 0 for i in ex.active},
                     ex.gather_dtype, ex.scatter_dtype, ex.device, ex.group)
 
@@ -302,7 +308,8 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
             ranks = _global_ranks(layout)
             for ex, _ in compile_exchanges(layout, list(range(len(layout.matrices))), group_of, mode=opt.mode,
                                            planner=opt.planner, cost_model=opt.planning_cost_model(),
-                                           comm_dtype=opt.comm_dtype, waves=opt.waves):
+                                           comm_dtype=opt.comm_dtype, waves=opt.waves,
+                                           team_ns=getattr(opt, "team_ns", False)):
                 for r in range(layout.world_size):
                     them = _as_rank(ex, r)
                     sent[ranks[r]] += them.bytes_sent
@@ -314,17 +321,26 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
                     ns = ns_settings(g)
                     cost = ns_flops(info.rows, info.cols, ns.steps, ns.method)
                     at = tuple(ranks[h] for h in ex.homes[i])
-                    for h in at:
-                        flops[h] += cost
+                    team = len(at) if hasattr(ex, "teams") else 0
+                    widths = team_widths(info.rows, info.cols, team) if team else ()
+                    for k, h in enumerate(at):
+                        flops[h] += (team_member_flops(min(info.rows, info.cols), widths[k], ns.steps) if team
+                                     else cost)
                         homed[h] += 1
                     task = planner_task(layout, i, ns, ex.gather_dtype.itemsize)  # what the optimizer planned on
                     by_key[info.key] = MatrixRow(
                         info.key, (info.rows, info.cols), update_scale(g, (info.rows, info.cols), slot.transposed),
-                        at, cost, task.held, d, ns.steps, ns.method, task.elem_bytes, task.groups)
+                        at, cost, task.held, d, ns.steps, ns.method, task.elem_bytes, task.groups, team)
     tensors = _tensor_rows(opt, groups, bindings, by_key)
     all_ranks = sorted(set(sent) | set(flops)) or [_this_rank()]
     rank_rows = [RankRow(r, homed[r], flops[r], sent[r], received[r]) for r in all_ranks]
     notes = []
+    teamed = [m for m in by_key.values() if m.team]
+    if teamed:
+        notes.append(f"Team NS (planner auto, team_ns=True): {len(teamed)} matrices run as teams of ranks, each "
+                     "member orthogonalizing a column block (not bitwise equal to one process): " + ", ".join(
+                         f"{m.key} ({m.shape[0]}x{m.shape[1]}) on {m.team}" for m in teamed[:8])
+                     + (", ..." if len(teamed) > 8 else "") + ".")
     if by_key:
         notes.append("Homes and bytes are those of a step in which every Muon matrix has a gradient; a step where "
                      "some have none plans (and compiles) its own.")

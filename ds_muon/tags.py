@@ -20,6 +20,9 @@ stack supports is in ``docs/ADVANCED.md``.
 * :func:`domain` — the tensor's replicas live in ``group`` (expert data-parallel
   group) rather than the optimizer's ``process_group``; each domain gets its own
   Layout, plan and fused exchange.
+* :func:`fused_blocks` — blocks of a fused projection that are not row ranges: column
+  blocks of an ``[in, out]`` weight (GPT-2's ``c_attn``), rows interleaved per head
+  (GPT-NeoX's ``query_key_value``), columns interleaved (gpt-oss's ``gate_up_proj``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ TENSOR_PARALLEL = "_ds_muon_tp"  # (tp group, partition_dim)
 EXPERTS = "_ds_muon_experts"  # True: dim 0 indexes matrices
 DOMAIN = "_ds_muon_domain"  # process group of the tensor's replicas / shards
 TRANSPOSED = "_ds_muon_transposed"  # True: stored as [in, out] (GPT-2's Conv1D)
+BLOCKS = "_ds_muon_blocks"  # tuple of (label, rows run, cols run): fused blocks, see fused_blocks
 
 
 def _what(param) -> str:
@@ -70,6 +74,69 @@ def split_rows(param: torch.Tensor, sizes: Union[Sequence[int], Dict[str, int]],
     if len(global_shape(param)) < 2:
         raise ValueError(f"ds_muon.split_rows: {_what(param)} is not a matrix")
     setattr(param, SPLIT_ROWS, tuple(zip(labels, counts)))
+    return param
+
+
+def _run(spec, extent: int, what: str, label: str):
+    """``(start, length, count, period)`` from ``None`` (all), ``(start, length)`` or the full form."""
+    if spec is None:
+        return (0, extent, 1, extent)
+    spec = tuple(int(v) for v in spec)
+    if len(spec) == 2:
+        spec = spec + (1, spec[1])
+    if len(spec) != 4:
+        raise ValueError(f"ds_muon.fused_blocks: block {label!r}: {what} must be None, (start, length) or "
+                         f"(start, length, count, period), got {spec}")
+    start, length, count, period = spec
+    if start < 0 or length <= 0 or count <= 0 or (count > 1 and period < length) or \
+            start + (count - 1) * period + length > extent:
+        raise ValueError(f"ds_muon.fused_blocks: block {label!r}: {what} {spec} do not fit in {extent} "
+                         "(runs must be positive, apart by at least their length, inside the matrix)")
+    return (start, length, count, period if count > 1 else length)
+
+
+def _mask(run, extent: int) -> torch.Tensor:
+    start, length, count, period = run
+    m = torch.zeros(extent, dtype=torch.bool)
+    for i in range(count):
+        m[start + i * period:start + i * period + length] = True
+    return m
+
+
+def fused_blocks(param: torch.Tensor, blocks: Dict[str, tuple]):
+    """Orthogonalize blocks of a fused weight apart: ``{label: (rows, cols)}``, each of ``rows`` and
+    ``cols`` ``None`` (all), ``(start, length)`` or ``(start, length, count, period)`` (``count``
+    runs of ``length``, ``period`` apart: rows interleaved per head, columns interleaved).
+
+    Rows and columns are those of the matrix as stored (``[in, out]`` for a :func:`transposed`
+    weight, whose output blocks are columns; per expert for an :func:`expert_weight` stack).
+    The blocks must partition the matrix.  Keys are ``name[label]`` (``name[e][label]``).
+    Returns ``param``.
+    """
+    shape = global_shape(param)
+    if len(shape) < 2:
+        raise ValueError(f"ds_muon.fused_blocks: {_what(param)} is not a matrix")
+    if getattr(param, SPLIT_ROWS, None) is not None or getattr(param, TENSOR_PARALLEL, None) is not None:
+        raise NotImplementedError("ds_muon.fused_blocks: a tensor tagged split_rows or tensor_parallel cannot "
+                                  "also take fused blocks")
+    experts = bool(getattr(param, EXPERTS, False))
+    rows = int(shape[1] if experts else shape[0])
+    cols = 1
+    for s in shape[2 if experts else 1:]:
+        cols *= int(s)
+    spec = []
+    for label, (r, c) in dict(blocks).items():
+        spec.append((str(label), _run(r, rows, "rows", label), _run(c, cols, "cols", label)))
+    if len({lab for lab, _, _ in spec}) != len(spec) or not spec:
+        raise ValueError(f"ds_muon.fused_blocks: block labels {[lab for lab, _, _ in spec]} repeat or are none")
+    masks = [(_mask(r, rows), _mask(c, cols)) for _, r, c in spec]
+    total = sum(int(mr.sum()) * int(mc.sum()) for mr, mc in masks)
+    overlap = any(bool((a[0] & b[0]).any()) and bool((a[1] & b[1]).any())
+                  for i, a in enumerate(masks) for b in masks[i + 1:])
+    if total != rows * cols or overlap:
+        raise ValueError(f"ds_muon.fused_blocks: the blocks {dict(blocks)} do not partition the [{rows}, {cols}] "
+                         f"matrix of {_what(param)} (every element must be in exactly one block)")
+    setattr(param, BLOCKS, tuple(spec))
     return param
 
 
@@ -125,7 +192,7 @@ def transposed(param: torch.Tensor):
     if len(global_shape(param)) != 2 and not getattr(param, EXPERTS, False):
         raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is a 2-D [in, out] matrix "
                          "(tag a stack [E, in, out] ds_muon.expert_weight first)")
-    if getattr(param, SPLIT_ROWS, None) is not None:
+    if getattr(param, SPLIT_ROWS, None) is not None and getattr(param, BLOCKS, None) is None:
         raise NotImplementedError("ds_muon.transposed: row blocks of an [in, out] weight would split the wrong "
                                   "axis; split_rows and transposed do not combine")
     setattr(param, TRANSPOSED, True)
@@ -150,12 +217,12 @@ def domain_of(param: torch.Tensor, default=None):
 
 def is_tagged(param: torch.Tensor) -> bool:
     """Does ``param`` carry a tag that changes which matrices it holds?"""
-    return any(getattr(param, a, None) is not None for a in (SPLIT_ROWS, TENSOR_PARALLEL)) or bool(
+    return any(getattr(param, a, None) is not None for a in (SPLIT_ROWS, TENSOR_PARALLEL, BLOCKS)) or bool(
         getattr(param, EXPERTS, False))
 
 
 # -- tags that travel with param groups ---------------------------------------------
-SHAPE_TAGS = (SPLIT_ROWS, EXPERTS, TRANSPOSED)  # which matrices a tensor holds, and how each scales
+SHAPE_TAGS = (SPLIT_ROWS, EXPERTS, TRANSPOSED, BLOCKS)  # which matrices a tensor holds, and how each scales
 
 
 def shape_tags(param: torch.Tensor) -> Optional[dict]:

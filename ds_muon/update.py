@@ -66,13 +66,13 @@ def apply_result(params: List[torch.Tensor], results: List[torch.Tensor], decay:
                  alpha: float, all_flat: bool = False) -> None:
     """``param = param * decay + alpha * result`` in place, for pieces (flat) that share
     ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation.  A result may be a
-    ``[rows, length]`` piece (a column block), flattened here unless the caller says
-    ``all_flat``."""
+    ``[rows, length]`` piece (a column block), shaped here like its parameter piece (flat, or a
+    strided view of a fused block) unless the caller says ``all_flat``."""
     if not params:
         return
     results = to_device_of(params, results)  # NS ran on the accelerator for host pieces (offload)
     if decay is not None:
         torch._foreach_mul_(params, decay)
     if not all_flat:
-        results = [r if r.dim() == 1 else r.reshape(-1) for r in results]
+        results = [r if r.shape == p.shape else r.reshape(p.shape) for p, r in zip(params, results)]
     torch._foreach_add_(params, results, alpha=alpha)

@@ -273,5 +273,5 @@ def test_apply_in_forward_needs_overlap_and_a_model():
         ds_muon.Muon([p], apply_in_forward=True, model=nn.Linear(4, 4))
     with pytest.raises(ValueError, match="model="):
         ds_muon.Muon([p], overlap=True, apply_in_forward=True)
-    with pytest.raises(TypeError, match="apply_in_forward"):
+    with pytest.raises(ValueError, match="apply_in_forward"):
         ds_muon.Muon([p], overlap=True, apply_in_forward="false", model=nn.Linear(4, 4))

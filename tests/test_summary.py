@@ -107,12 +107,18 @@ def test_llama_rows_match_the_optimizer():
 def test_gpt2_transposed_and_spectral_scales():
     """Conv1D weights are stored [in, out]: the scale reads [out, in], as the update does."""
     model = tiny_gpt2()
-    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), extra_scale_factor=0.2)
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR, split_fused=False), extra_scale_factor=0.2)
     s = opt.summary()
     _check_against_optimizer(opt, s)
     row = next(t for t in s.tensors if t.name == "transformer.h.0.attn.c_attn.weight")
     assert row.shape == (32, 96) and row.matrices[0].shape == (32, 96)
     assert row.matrices[0].scale == pytest.approx(0.2 * 3 ** 0.5)  # [out, in] = [96, 32]
+    split = ds_muon.Muon(ds_muon.muon_param_groups(tiny_gpt2(), lr=LR), extra_scale_factor=0.2)  # the default
+    s = split.summary()
+    _check_against_optimizer(split, s)
+    row = next(t for t in s.tensors if t.name == "transformer.h.0.attn.c_attn.weight")
+    assert [m.shape for m in row.matrices] == [(32, 32)] * 3  # q, k, v column blocks (issue 24)
+    assert [m.scale for m in row.matrices] == [pytest.approx(0.2)] * 3
     spectral = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), scale_mode="spectral")
     _check_against_optimizer(spectral, spectral.summary())
 

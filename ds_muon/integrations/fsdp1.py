@@ -134,7 +134,7 @@ def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, route
     A tensor shared by several modules (tied weights) takes Muon only if every
     module that uses it would give it Muon (a weight tied to an embedding is AdamW).
     """
-    return original_reason(flat, i, head_names, routers) == HIDDEN_MATRIX
+    return original_reason(flat, i, head_names, routers).startswith(HIDDEN_MATRIX)
 
 
 def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
@@ -144,9 +144,16 @@ def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, router
     shape = tuple(flat._shapes[i])
     reason = param_reason(info.param_name, shape, info.module_name, info.module, head_names, routers)
     for s in flat._shared_param_infos:
-        if reason == HIDDEN_MATRIX and s.prim_module is info.module and s.prim_param_name == info.param_name:
+        if reason.startswith(HIDDEN_MATRIX) and s.prim_module is info.module and s.prim_param_name == info.param_name:
             reason = param_reason(s.param_name, shape, s.module_name, s.module, head_names, routers)
     return reason
+
+
+def fused_plan_of(module_name: str, module, pname: str, shape):
+    """The fused-projection plan the rules give an original tensor (None: not fused)."""
+    from ..models.kinds import rules_of
+
+    return rules_of(module).decide(module_name, module, pname, shape).plan
 
 
 def _shard_piece(flat, i: int, name: str) -> Tuple[Optional[Piece], int]:
@@ -172,6 +179,14 @@ def _tag_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
         raise NotImplementedError(f"{e}. Under FSDP1 the tags must be set before wrapping, with "
                                   "use_orig_params=True (use_orig_params=False hides the parameter)") from None
     if plan is None:
+        fused = fused_plan_of(info.module_name, info.module, info.param_name, shape)
+        if fused is not None:
+            from ..models.fused import apply_fused_plan
+
+            carrier = torch.empty(shape, device="meta")
+            if stores_in_out(info.module, info.param_name):
+                transposed(carrier)
+            return apply_fused_plan(carrier, fused, key)
         check_matrix_dims(key, shape, info.module)
         if stores_in_out(info.module, info.param_name):  # GPT-2's Conv1D: the scale factor reads [out, in]
             return transposed(torch.empty(shape, device="meta"))
@@ -198,10 +213,13 @@ def bind_fsdp1_flat(flat, name: str, group=None, head_names: Sequence[str] = HEA
     base = prefix if prefix is not None else f"{name}:"
     matrices: List[MatrixSlot] = []
     adam: List[Tuple[int, int]] = []
+    mixed = False  # an AdamW tensor anywhere in the flat parameter, held here or not
     for i, fqn in enumerate(flat._fqns):
         key = base + fqn
         piece, offset = _shard_piece(flat, i, key)
-        if original_is_muon(flat, i, head_names, routers):
+        muon = original_is_muon(flat, i, head_names, routers)
+        mixed = mixed or not muon
+        if muon:
             carrier = _tag_carrier(flat, i, key)
             if carrier is not None:  # one matrix per expert (and gate/up blocks), clipped to this shard
                 lo = 0 if piece is None else piece.offset
@@ -217,7 +235,7 @@ def bind_fsdp1_flat(flat, name: str, group=None, head_names: Sequence[str] = HEA
             merged[-1] = (merged[-1][0], merged[-1][1] + n)
         else:
             merged.append((off, n))
-    return ParamBinding(flat, _flat1, matrices, adam_ranges=merged, group=group)
+    return ParamBinding(flat, _flat1, matrices, adam_ranges=merged, group=group, mixed=mixed)
 
 
 def bind_fsdp1_orig(param, name: str, flat, i: int, group=None) -> ParamBinding:
@@ -279,13 +297,13 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
         elif id(p) in index.orig:
             flat, i, _, _ = index.orig[id(p)]
             why[id(p)] = original_reason(flat, i, head_names, routers)
-            is_muon = why[id(p)] == HIDDEN_MATRIX
+            is_muon = why[id(p)].startswith(HIDDEN_MATRIX)
             if is_muon and not is_tagged(p):
                 _tag_carrier(flat, i, name)  # raises now for a 3+-D tensor it cannot describe
             (muon if is_muon else adam).append((name, p))
         else:
             why[id(p)] = rule[id(p)]
-            (muon if why[id(p)] == HIDDEN_MATRIX else adam).append((name, p))
+            (muon if why[id(p)].startswith(HIDDEN_MATRIX) else adam).append((name, p))
     groups = []
     if muon:
         g = {"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True, "lr": lr,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..layout import _DTENSOR, MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..slots import block_slots, logical_blocks
-from ..tags import EXPERTS, is_tagged, is_transposed
+from ..tags import BLOCKS, EXPERTS, is_tagged, is_transposed
 from ..timeouts import flattened_group
 from .base import BindContext
 
@@ -236,6 +236,12 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
             "its metadata"
         )
     group = _mesh_group(plan_mesh if plan_mesh is not None else mesh, name)
+    if getattr(param, BLOCKS, None) is not None and any(
+            (lo, hi) != (0, n) for (lo, hi), n in zip(ranges[1:], param.shape[1:])):
+        raise NotImplementedError(
+            f"ds_muon: {name} holds fused blocks (ds_muon.fused_blocks) and is sharded past dim 0 "
+            f"({tuple(param.placements)}); ds_muon reads such blocks from row ranges only. Shard it along dim 0, "
+            "or build the groups with muon_param_groups(..., split_fused=False)")
     if experts and ranges[1:] != [(0, n) for n in param.shape[1:]]:  # EP x FSDP2 Shard(1)/Shard(2)
         return ParamBinding(param, _dtensor_flat, expert_block_slots(param, name, ranges), group=group)
     (r0, r1) = ranges[0]

@@ -1,0 +1,331 @@
+"""What each tensor of a model is, and so which optimizer it takes: the one place that decides.
+
+Muon's orthogonal update is right for a weight its module applies as a linear map of hidden
+features, and wrong for everything else (rows that are looked up, the ends of the model, a
+router's few logits, per-channel filters, tensors used any other way).  So the decision reads
+what the model says about itself, in this order:
+
+1. the module's type: ``nn.Embedding``; ``nn.Linear`` (and subclasses) and transformers'
+   ``Conv1D``; ``nn.Conv*d`` (depthwise ones, ``groups == in_channels``, excepted); transformers'
+   fused expert stacks; a bare ``nn.Parameter`` of any other module is a *raw parameter*;
+2. the model's own API for its ends: everything under ``get_input_embeddings()`` and
+   ``get_output_embeddings()``, weights tied to an embedding, and heads outside ``base_model``
+   producing ``config.num_labels`` (or the vocabulary);
+3. the config: a Linear whose outputs equal the expert count is a router; a conv or linear
+   reading the raw input's width (``num_channels``, mel bins, 1) is an input layer; fused
+   projections are split in blocks whose sizes the config gives (:mod:`ds_muon.models.fused`);
+4. names, only as a fallback: ``head_names`` for models without that API (or when given).
+
+Every path reads it: :func:`ds_muon.muon_param_groups` (plain models, FSDP2, ZeRO-3 ``zero.Init``
+through ``ds_shape``, accelerate and the Trainer, which call it) and the FSDP1 adapter, which asks
+:meth:`Rules.decide` about each original tensor of a flat parameter.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.conv import _ConvNd
+
+from ..experts import STACK_NAMES, is_fused_experts, is_router, mark_routers
+from ..layout import global_shape
+from ..tags import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
+from . import config as cfg
+from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
+
+# -- the closed list of kinds, and the optimizer each takes ---------------------------------
+HIDDEN_LINEAR = "hidden linear"
+FUSED_BLOCK = "fused block"
+EXPERT = "expert"
+CONV = "conv"
+INPUT_LAYER = "input layer"
+OUTPUT_HEAD = "output head"
+ROUTER = "router"
+EMBEDDING = "embedding"
+VECTOR = "norm/bias/1-D"
+RAW = "raw parameter"
+DEPTHWISE = "depthwise conv"
+KINDS: Dict[str, str] = {  # kind -> default optimizer
+    HIDDEN_LINEAR: "Muon", FUSED_BLOCK: "Muon", EXPERT: "Muon", CONV: "Muon",
+    INPUT_LAYER: "AdamW", OUTPUT_HEAD: "AdamW", ROUTER: "AdamW", EMBEDDING: "AdamW", VECTOR: "AdamW",
+    RAW: "AdamW", DEPTHWISE: "AdamW",
+}
+MUON_KINDS = frozenset(k for k, o in KINDS.items() if o == "Muon")
+
+HIDDEN_MATRIX = "hidden matrix"  # the reason of a Muon tensor (summary); details follow after ", "
+HEAD_NAMES: Tuple[str, ...] = ("lm_head", "head", "output", "classifier")
+EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+NORM_WORDS = ("norm", "Norm")
+HEAD_PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q", "k", "v")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a tensor is (``kind``, one of :data:`KINDS`), whether it takes Muon, why (what
+    :meth:`ds_muon.Muon.summary` shows), and the blocks of a fused projection (``plan``)."""
+
+    kind: str
+    muon: bool
+    reason: str
+    plan: Optional[FusedPlan] = None
+
+
+def is_conv1d_transformers(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 and kin): a linear layer stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d_transformers(module)
+
+
+def is_depthwise(module: nn.Module) -> bool:
+    return isinstance(module, _ConvNd) and module.groups > 1 and module.groups == module.in_channels
+
+
+def _is_pretrained(model: nn.Module) -> bool:
+    return hasattr(model, "get_input_embeddings") and hasattr(model, "base_model") and hasattr(model, "config")
+
+
+def _subtree_ids(module: Optional[nn.Module]) -> Set[int]:
+    return {id(m) for m in module.modules()} if isinstance(module, nn.Module) else set()
+
+
+def _call(model, name):
+    try:
+        return getattr(model, name)()
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return None
+
+
+class Rules:
+    """The facts of one model (its ends, config, owners of fused projections) and :meth:`decide`."""
+
+    def __init__(self, model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw",
+                 split_fused: bool = True, split_attention: Optional[str] = None):
+        self.head_names = tuple(head_names)
+        self.routers = routers
+        self.split_fused = split_fused
+        self.split_attention = split_attention
+        self.hf = _is_pretrained(model)
+        self.names_rule = not self.hf or self.head_names != HEAD_NAMES
+        configs = cfg.configs_of(model)
+        self.config = configs[0] if configs else None
+        self.experts = cfg.expert_counts(configs)
+        self.labels = cfg.label_counts(configs)
+        self.vocab = cfg.vocab_sizes(configs)
+        self.widths = cfg.input_widths(configs)
+        self.input_ids = _subtree_ids(_call(model, "get_input_embeddings")) if self.hf else set()
+        out = _call(model, "get_output_embeddings")
+        self.output_ids = _subtree_ids(out) if self.hf else set()
+        if hasattr(model, "get_output_embeddings") and not self.hf:
+            self.output_ids = _subtree_ids(out)
+        base = getattr(model, "base_model", model) if self.hf else model
+        self.head_region = (_subtree_ids(model) - _subtree_ids(base)) if base is not model else set()
+        self.parent: Dict[int, Tuple[nn.Module, str]] = {}
+        self.path: Dict[int, str] = {}
+        for name, m in model.named_modules():
+            self.path[id(m)] = name
+            for cname, c in m.named_children():
+                self.parent.setdefault(id(c), (m, cname))
+        self.embedding_params: Set[int] = set()
+        for m in model.modules():
+            if isinstance(m, EMBEDDING_TYPES):
+                self.embedding_params.update(id(p) for p in m.parameters(recurse=False))
+        mark_routers(model)
+        for m in model.modules():  # so the FSDP1 adapter, seeing one module, asks the same rules
+            _RULES_OF[m] = self
+
+    def options(self) -> tuple:
+        return (self.head_names, self.routers, self.split_fused, self.split_attention)
+
+    # -- one tensor ---------------------------------------------------------------------------
+    def decide(self, module_name: str, module: nn.Module, pname: str, shape: Sequence[int],
+               param: Optional[torch.Tensor] = None, config=None) -> Decision:
+        shape = tuple(int(s) for s in shape)
+        tagged = param is not None and any(getattr(param, a, None) for a in (EXPERTS, SPLIT_ROWS, BLOCKS,
+                                                                             TENSOR_PARALLEL))
+        if isinstance(module, EMBEDDING_TYPES):
+            return Decision(EMBEDDING, False, EMBEDDING)
+        if param is not None and id(param) in self.embedding_params:  # tied to an embedding
+            return Decision(EMBEDDING, False, f"{EMBEDDING}, {OUTPUT_HEAD}")
+        if is_fused_experts(module) and pname.endswith("bias"):
+            return Decision(VECTOR, False, "expert bias")
+        layer = self._parametrized(module)
+        if layer is not None:  # torch's parametrizations: original0/1 of weight_norm, original of any other
+            if pname == "original0":
+                return Decision(VECTOR, False, "weight-norm gain")
+            return self.decide(self.path.get(id(layer[0]), ""), layer[0], layer[1], shape, param, config)
+        if pname == "weight_g" and hasattr(module, "weight_v"):  # nn.utils.weight_norm (the old one)
+            return Decision(VECTOR, False, "weight-norm gain")
+        if pname == "weight_v" and (is_linear(module) or isinstance(module, _ConvNd)):
+            pname = "weight"  # the direction of a weight-normed layer: its matrix
+        if len(shape) < 2:
+            return Decision(VECTOR, False, f"{len(shape)}-D")
+        mid = id(module)
+        if mid in self.output_ids:
+            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD)
+        if mid in self.input_ids:
+            return Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())")
+        if self.names_rule and module_name.rsplit(".", 1)[-1] in self.head_names:
+            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD)
+        linear = is_linear(module) and pname == "weight"
+        if linear or (isinstance(module, _ConvNd) and pname == "weight"):
+            outs = int(module.nf if is_conv1d_transformers(module) else shape[0])
+            if mid in self.head_region and (outs in self.labels or outs in self.vocab):
+                return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} ({outs} outputs: num_labels / vocab)")
+        if is_router(module) or (isinstance(module, nn.Linear) and pname == "weight" and shape[0] in self.experts):
+            if self.routers == "adamw":
+                return Decision(ROUTER, False, ROUTER)
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+        if isinstance(module, nn.RNNBase) and pname.startswith("weight_"):
+            return self._recurrent(module, pname, shape)
+        plan = self._fused(module, pname, shape, param)
+        if plan is not None:
+            kind = EXPERT if plan.experts or plan.what == "experts" else FUSED_BLOCK
+            return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart", plan)
+        if is_fused_experts(module) and pname in STACK_NAMES:
+            return Decision(EXPERT, True, HIDDEN_MATRIX)
+        if linear:
+            ins = int(shape[0] if is_conv1d_transformers(module) else shape[1])
+            if ins in self.widths and ins <= 4:
+                return Decision(INPUT_LAYER, False, f"input layer (reads {ins} input channels)")
+            if self.split_fused and not tagged and self.config is not None:
+                owner, cname = self.parent.get(mid, (None, ""))
+                what = (looks_fused(owner, module, self.config, cname) if owner is not None and _attention(owner)
+                        else None)
+                if what is not None:
+                    raise NotImplementedError(
+                        f"muon_param_groups: {module_name}.{pname} {shape} ({type(module).__name__} of "
+                        f"{type(owner).__name__}) looks like a fused {what} projection, and ds_muon does not know "
+                        "how this family lays its blocks out. Tag it before building the groups: "
+                        "ds_muon.split_rows(p, {'q': .., 'k': .., 'v': ..}) for contiguous rows, ds_muon.fused_blocks"
+                        "(p, ...) for interleaved ones; or pass split_fused=False to orthogonalize it whole")
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+        if isinstance(module, _ConvNd) and pname == "weight":
+            if module.in_channels in self.widths and module.in_channels <= 4:
+                return Decision(INPUT_LAYER, False, f"input layer (reads {module.in_channels} input channels)")
+            if is_depthwise(module):
+                return Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)")
+            return Decision(CONV, True, f"{HIDDEN_MATRIX}, conv")
+        if isinstance(module, nn.MultiheadAttention) and pname.endswith("proj_weight"):  # q/k/v_proj_weight
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+        if param is not None and getattr(param, EXPERTS, False):  # the user tagged a stack
+            return Decision(EXPERT, True, f"{HIDDEN_MATRIX}, tagged expert_weight")
+        if tagged:
+            return Decision(HIDDEN_LINEAR, True, f"{HIDDEN_MATRIX}, tagged")
+        if any(w in type(module).__name__ for w in NORM_WORDS):
+            return Decision(VECTOR, False, "norm")
+        return Decision(RAW, False, f"{RAW} of {type(module).__name__} (not a linear map it applies)")
+
+    def _recurrent(self, module, pname, shape) -> Decision:
+        """nn.LSTM / nn.GRU weights ``[gates·hidden, in]``: one matrix per gate (i, f, g, o / r, z, n)."""
+        gates = {"LSTM": "ifgo", "GRU": "rzn"}.get(module.mode, "")
+        if not pname.startswith(("weight_ih", "weight_hh")) or not gates or not self.split_fused:
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+        n = int(shape[0]) // len(gates)
+        plan = FusedPlan({g: ((i * n, n), None) for i, g in enumerate(gates)}, "|".join(gates))
+        return Decision(FUSED_BLOCK, True, f"{HIDDEN_MATRIX}, gates {plan.what} apart", plan)
+
+    def _parametrized(self, module):
+        """``(layer, tensor name)`` when ``module`` is a ``ParametrizationList`` of ``layer``."""
+        if type(module).__name__ != "ParametrizationList" or id(module) not in self.parent:
+            return None
+        holder, name = self.parent[id(module)]
+        if id(holder) not in self.parent:
+            return None
+        return self.parent[id(holder)][0], name
+
+    def _fused(self, module, pname, shape, param) -> Optional[FusedPlan]:
+        """The fused plan of this tensor (None: not fused, split_fused off, or the user tagged it)."""
+        if param is not None and getattr(param, TENSOR_PARALLEL, None) is not None:
+            return None
+        per_head = self.split_attention == "heads"
+        reader, owner = None, module
+        if id(module) in self.parent:  # the parent knows its children's fusion (JetMoE's input_linear)
+            owner, cname = self.parent[id(module)]
+            reader = reader_for(owner, f"{cname}.{pname}")
+        if reader is None:
+            reader, owner = reader_for(module, pname), module
+        if reader is None and is_fused_experts(module) and pname == "gate_up_proj" and module.has_gate and (
+                module.is_transposed or not module.is_concatenated) and len(shape) == 3:
+            reader = experts_gate_up
+        if reader is None and is_linear(module) and pname == "weight" and id(module) in self.parent:
+            owner, cname = self.parent[id(module)]
+            if _attention(owner) and looks_fused(owner, module, self.config, cname) == "q|k|v" \
+                    and int(shape[1] if is_conv1d_transformers(module) else shape[0]) % 3 == 0:
+                reader = from_forward(owner, cname)
+                if reader is not None and not is_conv1d_transformers(module):
+                    owner = module if reader.__name__.startswith("_qkv") else owner
+                else:
+                    reader = None
+        if reader is None:
+            if per_head and is_linear(module) and pname == "weight" and id(module) in self.parent:
+                owner, cname = self.parent[id(module)]
+                if cname in HEAD_PROJ_NAMES and _attention(owner):
+                    return _per_head_rows(owner, module, shape, self.config)
+            return None
+        plan = reader(owner, pname, shape, getattr(owner, "config", None) or self.config, per_head)
+        if not self.split_fused and plan.what != "experts":
+            return None
+        return plan
+
+
+def _attention(module: nn.Module) -> bool:
+    return hasattr(module, "head_dim") or "Attention" in type(module).__name__
+
+
+def _per_head_rows(owner, module, shape, config) -> Optional[FusedPlan]:
+    hd = getattr(owner, "head_dim", None)
+    if not hd or shape[0] % int(hd) or shape[0] == int(hd):
+        return None
+    hd = int(hd)
+    return FusedPlan({str(h): ((h * hd, hd), None) for h in range(shape[0] // hd)}, "heads")
+
+
+_RULES_OF: "weakref.WeakKeyDictionary[nn.Module, Rules]" = weakref.WeakKeyDictionary()
+
+
+def rules_of(module: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> Rules:
+    """The rules last built over a model containing ``module`` (FSDP1 binds one flat parameter at a
+    time, long after :func:`ds_muon.muon_param_groups` read the whole model); rules of ``module``
+    alone when none was built, or with other options."""
+    rules = _RULES_OF.get(module)
+    if rules is not None and rules.head_names == tuple(head_names) and rules.routers == routers:
+        return rules
+    return Rules(module, head_names, routers)
+
+
+# -- a whole model ------------------------------------------------------------------------------
+def classify(model: nn.Module, rules: Optional[Rules] = None, **options) -> Dict[int, Tuple[str, Decision]]:
+    """``id(param) -> (name, decision)`` for every trainable parameter (a tied one once, first name)."""
+    rules = rules if rules is not None else Rules(model, **options)
+    owner: Dict[int, Tuple[str, nn.Module, str]] = {}
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            owner.setdefault(id(p), (mod_name, mod, pname))
+    out: Dict[int, Tuple[str, Decision]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in out:
+            continue
+        mod_name, mod, pname = owner[id(p)]
+        out[id(p)] = (name, rules.decide(mod_name, mod, pname, global_shape(p), p))
+    return out
+
+
+def matches(name: str, patterns: Iterable[str]) -> Optional[str]:
+    """The first of ``patterns`` (exact names or globs) that ``name`` matches."""
+    for pat in patterns:
+        if name == pat or fnmatch.fnmatchcase(name, pat):
+            return pat
+    return None
+
+
+def raw_matrices(decisions: Dict[int, Tuple[str, Decision]], shapes: Dict[int, Tuple[int, ...]]) -> List[str]:
+    """Names of raw parameters with 2+ dims (what the one warning lists)."""
+    return [n for i, (n, d) in decisions.items() if d.kind == RAW and len(shapes[i]) >= 2]

@@ -63,11 +63,12 @@ class Accelerator(_accelerate().Accelerator):
 
     With a GPU it is exactly accelerate's.  Without one, accelerate takes its multi-process
     path only with ``cpu=True`` (gloo), and its DeepSpeed path only with ``cpu=False``; this
-    class picks whichever the launch asks for, with the gloo backend.  Arguments you pass win.
+    class picks whichever the launch asks for, with the gloo backend, also for an FSDP launch of
+    one rank (a W=1 resume of an FSDP2 checkpoint).  Arguments you pass win.
     """
 
     def __init__(self, *args, **kwargs):
-        if no_gpu() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if no_gpu() and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or _fsdp_one_launched_rank()):
             if _env_flag("ACCELERATE_USE_DEEPSPEED"):
                 from accelerate.utils import InitProcessGroupKwargs
 
@@ -78,6 +79,13 @@ class Accelerator(_accelerate().Accelerator):
             else:
                 kwargs.setdefault("cpu", True)
         super().__init__(*args, **kwargs)
+
+
+def _fsdp_one_launched_rank() -> bool:
+    """An FSDP launch of one rank by a launcher (``LOCAL_RANK`` set, as torchrun sets it): FSDP2 shards
+    over a one-rank mesh, so it needs the gloo process group that ``cpu=True`` starts (a W=1 resume of
+    a W=2 FSDP2 checkpoint); without it accelerate picks one plain process."""
+    return _env_flag("ACCELERATE_USE_FSDP") and int(os.environ.get("LOCAL_RANK", "-1")) != -1
 
 
 # -- settings ---------------------------------------------------------------------------------------

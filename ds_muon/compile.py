@@ -17,6 +17,7 @@ from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .budget import ChunkedNS, budget_bytes, split_by_bytes
 from .exchange import Exchange
 from .groups import as_dtype
 from .layout import Layout
@@ -196,11 +197,13 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
     ns_of: Dict[Hashable, NSSettings] = {}
     ns_at: Dict[int, NSSettings] = {}
     device, offloaded = None, False
+    nbytes: Dict[int, int] = {}  # each matrix's bytes in its momentum's dtype (the memory budget's unit)
     for i in todo:
         b, _ = layout.local[i]
         ns = ns_at[i] = ns_settings(group_of[id(b.param)])
         info = layout.matrices[i]
         mom_dtype = b.flat(b.param).dtype
+        nbytes[i] = layout.matrices[i].numel * mom_dtype.itemsize
         device = b.flat(b.param).device
         offloaded = host_state(b.param, offload)
         if comm_dtype is not None:
@@ -217,6 +220,8 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
         host, device = device, exchange_device(device, group if group is not None else layout.group)
         if device == host:  # stacks assembled on the host: NS in chunks on the accelerator
             ns_of = {k: HostNS(ns) for k, ns in ns_of.items()}
+    budget = budget_bytes(list(nbytes.values()))  # transients of a wave and of an NS call (ds_muon.budget)
+    ns_of = {k: ns if isinstance(ns, HostNS) else ChunkedNS(ns, budget) for k, ns in ns_of.items()}
     compiled = []
     for (gdt, sdt), idx in by_dtypes.items():
         if mode == "duplicated":
@@ -234,9 +239,13 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
                     compiled.append(_team_exchange(layout, teams, ns_at, gdt, sdt, device, group, team_groups))
                     idx = [i for i in idx if i not in teams]
         cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
-        for wave in (split_waves(idx, cost, waves) if idx else []):
-            compiled.append((Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group,
-                                      transport=cost_model.transport), ns_of))
+        cut = split_waves(idx, cost, waves) if idx else []
+        if layout.world_size == 1:  # nothing to overlap: waves of bounded memory, each run whole in turn
+            cut = split_by_bytes(cut, nbytes, budget)
+        for wave in cut:
+            ex = Exchange(layout, wave, homes, stack_key, gdt, sdt, device, group, transport=cost_model.transport)
+            ex.memory_budget = budget
+            compiled.append((ex, ns_of))
     return compiled
 
 

@@ -16,12 +16,13 @@ of the group, a sparse plan talks to a few.  The bytes are the same, so the resu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Hashable, List, NamedTuple, Sequence, Tuple
+from typing import Dict, FrozenSet, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .layout import Layout, Piece
+from .lending import full_bytes, give_back, give_back_all, take, take_all
 from .planner import gather_source, replica_groups, scatter_source
 
 
@@ -149,31 +150,71 @@ class Exchange:
             for s in lst:
                 self.recv_offset[s.matrix] = off
                 off += s.piece.numel
+        # the matrices whose local pieces gather_start reads (sent, or copied into this rank's
+        # stacks): a piece of a replica homed elsewhere is not read, nor its Nesterov input needed
+        self.reads = frozenset([s.matrix for s in self.self_gather] + [s.matrix for lst in send_g for s in lst])
         self._buffers: Dict[str, object] = {}
         self.bytes_sent = sum(self.split_send_g) * gather_dtype.itemsize + sum(self.split_send_s) * scatter_dtype.itemsize
         self.bytes_received = (sum(self.split_recv_g) * gather_dtype.itemsize
                                + sum(self.split_recv_s) * scatter_dtype.itemsize)
 
+    memory_budget: Optional[int] = None  # bytes of NS inputs the step fills in at a time (ds_muon.budget)
+
     # -- gather ---------------------------------------------------------------
-    def gather_start(self, local: Dict[int, torch.Tensor]):
-        """``local[i]``: this rank's piece of matrix i, flat.  Pack and issue the gather
-        all_to_all without waiting (other domains' exchanges can be issued meanwhile);
-        :meth:`gather_finish` waits and returns the home stacks ``{key: [k, rows, cols]}``
-        filled with the full matrices.  Copies are one ``torch._foreach_copy_`` per direction
-        into views of the kept buffers made once, not one copy call per piece."""
+    def gather_fill(self, local: Dict[int, torch.Tensor]) -> None:
+        """Copy some of this rank's pieces (``local``, flat) to where the gather takes them from (the
+        home stacks, the send buffer), so that their Nesterov inputs need not all exist at once;
+        then :meth:`gather_start` with ``filled=True`` sends."""
+        stacks = self._stacks()
+        dst, src = [], []
+        if self.self_gather:
+            views = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
+            at = self._buffer("self_at", lambda: _positions(seg.matrix for seg in self.self_gather))
+            for i in local:
+                for k in at.get(i, ()):
+                    dst.append(views[k])
+                    src.append(local[i])
+        if self.gather_traffic:
+            segs = self.send_g
+            buf = take(self._buffer("send_g", lambda: torch.empty(sum(self.split_send_g), dtype=self.gather_dtype,
+                                                                 device=self.device)))
+            views = self._buffer("send_g_views", lambda: _slices(buf, [seg.piece.numel for lst in segs for seg in lst]))
+            at = self._buffer("send_at", lambda: _positions(seg.matrix for lst in segs for seg in lst))
+            for i in local:
+                for k in at.get(i, ()):
+                    dst.append(views[k])
+                    src.append(local[i])
+        if dst:
+            torch._foreach_copy_(dst, [s if s.dim() == d.dim() else s.reshape(d.shape) for d, s in zip(dst, src)])
+
+    def _stacks(self) -> Dict[Hashable, torch.Tensor]:
         stacks = self._buffer("stacks", lambda: {
             key: torch.empty((len(idx), self.layout.matrices[idx[0]].rows, self.layout.matrices[idx[0]].cols),
                              dtype=self.gather_dtype, device=self.device)
             for key, idx in self.stacks.items()})
-        if self.self_gather:
+        take_all(stacks.values())  # memory lent back for this step (see ds_muon.lending)
+        return stacks
+
+    def gather_start(self, local: Optional[Dict[int, torch.Tensor]], filled: bool = False):
+        """``local[i]``: this rank's piece of matrix i, flat.  Pack and issue the gather
+        all_to_all without waiting (other domains' exchanges can be issued meanwhile);
+        :meth:`gather_finish` waits and returns the home stacks ``{key: [k, rows, cols]}``
+        filled with the full matrices.  Copies are one ``torch._foreach_copy_`` per direction
+        into views of the kept buffers made once, not one copy call per piece.  ``filled``: the
+        pieces were already copied in by :meth:`gather_fill` (``local`` is not read)."""
+        stacks = self._stacks()
+        if self.self_gather and not filled:
             homes = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
             self._copy_all("self_views", homes, [local[seg.matrix] for seg in self.self_gather])
         if not self.gather_traffic:
             return stacks, None, None
-        send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
-                          [local[seg.matrix] for lst in self.send_g for seg in lst])
-        recv = self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
-                                                          device=self.device))
+        if filled:
+            send = self._buffers["send_g"]
+        else:
+            send = self._pack("send_g", self.send_g, self.split_send_g, self.gather_dtype,
+                              [local[seg.matrix] for lst in self.send_g for seg in lst])
+        recv = take(self._buffer("recv_g", lambda: torch.empty(sum(self.split_recv_g), dtype=self.gather_dtype,
+                                                               device=self.device)))
         work = self._move(recv, send, self.split_recv_g, self.split_send_g)
         return stacks, recv, (work, send)
 
@@ -186,6 +227,7 @@ class Exchange:
             [self._flat_home_view(stacks, seg) for lst in self.recv_g for seg in lst],
             _slices(recv, [seg.piece.numel for lst in self.recv_g for seg in lst])))
         self._copy_all("recv_g_views", homes, parts)
+        give_back_all((recv, work[1]))  # both sides of the gather are done with
         return stacks
 
     # -- scatter --------------------------------------------------------------
@@ -196,6 +238,7 @@ class Exchange:
         it is not contiguous in the stack."""
         cuts = self._buffer("cuts", self._compile_cuts)
         kept = self._buffer("results", lambda: self._result_buffers(results))
+        take_all(r for r in kept.values() if r._base is None)  # a result buffer of its own (wider than the stack)
         for key, r in results.items():  # one copy per stack: the pieces below are views made once
             if kept[key].data_ptr() != r.data_ptr():
                 kept[key].copy_(r)
@@ -205,8 +248,8 @@ class Exchange:
             return out, None, None
         send = self._pack("send_s", self.send_s, self.split_send_s, self.scatter_dtype,
                           self._buffer("send_s_sources", lambda: [pieces[key][k] for key, k in self._send_cuts]))
-        recv = self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
-                                                          device=self.device))
+        recv = take(self._buffer("recv_s", lambda: torch.empty(sum(self.split_recv_s), dtype=self.scatter_dtype,
+                                                               device=self.device)))
         work = self._move(recv, send, self.split_recv_s, self.split_send_s)
         return out, recv, (work, send)
 
@@ -215,6 +258,7 @@ class Exchange:
         if work is None:
             return out
         _wait(work[0])
+        give_back(work[1])  # the send buffer; the received results are read by the apply (see done)
         mine = self.layout.matrices
         views = self._buffer("recv_s_views", lambda: dict(zip(
             self.recv_offset, _slices(recv, [mine[i].pieces[self.rank].numel for i in self.recv_offset]))))
@@ -234,22 +278,34 @@ class Exchange:
                     ops.append(dist.P2POp(op, part, group=self.group, group_peer=peer))
         return dist.batch_isend_irecv(ops) if ops else []
 
+    def done(self) -> None:
+        """The step is done with this exchange's results (applied): the memory of every kept
+        buffer goes back until the next step (:mod:`~ds_muon.lending`); views stay."""
+        give_back_all(self._bases())
+
+    def _bases(self) -> List[torch.Tensor]:
+        out = []
+        for buf in self._buffers.values():
+            for t in (buf.values() if isinstance(buf, dict) else [buf]):
+                if torch.is_tensor(t) and t._base is None:
+                    out.append(t)
+        return out
+
     def release(self) -> None:
         """Drop the buffers kept across steps (an evicted exchange); a later use allocates anew,
         and a gather or scatter in flight keeps the tensors it holds until it finishes."""
         self._buffers.clear()
 
     def buffer_bytes(self) -> int:
-        """Bytes held in buffers kept across steps (for memory reports and tests): the stacks and
-        the send/receive buffers (and the results' own where wider than the stacks); the views
-        and cut lists kept beside them alias those bytes."""
-        out, seen = 0, set()
-        for buf in self._buffers.values():
-            for t in (buf.values() if isinstance(buf, dict) else [buf]):
-                if torch.is_tensor(t) and t._base is None and id(t) not in seen:  # results may reuse the stacks
-                    seen.add(id(t))
-                    out += t.numel() * t.element_size()
-        return out
+        """Bytes of the buffers kept across steps while a step uses them (for memory reports and
+        tests): the stacks and the send/receive buffers (and the results' own where wider than the
+        stacks); the views and cut lists kept beside them alias those bytes.  Between steps their
+        memory is given back (:meth:`held_bytes`)."""
+        return sum(full_bytes(t) for t in {id(t): t for t in self._bases()}.values())
+
+    def held_bytes(self) -> int:
+        """Bytes the kept buffers hold now (0 between steps once :meth:`done`)."""
+        return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in self._bases()}.values())
 
     def _home_view(self, stacks, seg: _Segment) -> torch.Tensor:
         key, j = self.slot[seg.matrix]
@@ -313,7 +369,8 @@ class Exchange:
             nbytes = r.numel() * r.element_size()
             reuse = s is not None and s.is_contiguous() and nbytes <= s.numel() * s.element_size()
             if reuse and r.untyped_storage().data_ptr() == s.untyped_storage().data_ptr():
-                reuse = s.dtype == r.dtype and s.shape == r.shape and r.data_ptr() == s.data_ptr()  # NS in place
+                # NS wrote its result into the stack's own memory (in chunks, ds_muon.budget): that is the view
+                reuse = r.data_ptr() == s.data_ptr() and r.is_contiguous()
             if reuse:
                 out[key] = s.view(-1).view(torch.uint8)[:nbytes].view(r.dtype).view(r.shape)
             else:
@@ -348,7 +405,7 @@ class Exchange:
 
     def _pack(self, name, segs, splits, dtype, sources: List[torch.Tensor]) -> torch.Tensor:
         """``sources`` (one per segment of ``segs``, in order) copied into the kept send buffer."""
-        buf = self._buffer(name, lambda: torch.empty(sum(splits), dtype=dtype, device=self.device))
+        buf = take(self._buffer(name, lambda: torch.empty(sum(splits), dtype=dtype, device=self.device)))
         views = self._buffer(name + "_views", lambda: _slices(buf, [seg.piece.numel for lst in segs for seg in lst]))
         self._copy_all(name, views, sources)
         return buf
@@ -358,6 +415,14 @@ def _wait(work) -> None:
     """Wait on an all_to_all's work or on every work of a p2p batch."""
     for w in (work if isinstance(work, list) else [work]):
         w.wait()
+
+
+def _positions(matrices) -> Dict[int, List[int]]:
+    """Where each matrix's segments are in a list of segments."""
+    out: Dict[int, List[int]] = {}
+    for k, i in enumerate(matrices):
+        out.setdefault(i, []).append(k)
+    return out
 
 
 def _slices(flat: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:

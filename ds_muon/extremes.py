@@ -15,6 +15,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .lending import give_back_all, take, take_all
+
 BULK_NUMEL = 1 << 16  # tensors up to this size are reduced together
 CHUNK_NUMEL = 1 << 22  # elements reduced per segment_reduce call (the scratch buffer's size bound)
 PLANS_KEPT = 4  # packings kept (the set of gradients may change between steps)
@@ -27,6 +29,7 @@ class _Chunk:
         numels = [s.numel() for s in shapes]
         total = sum(numels)
         self.positions = positions
+        self.scratch = scratch  # its memory is lent only while the extremes are taken (ds_muon.lending)
         self.where = torch.tensor(positions, dtype=torch.int64, device=scratch.device)
         self.data = scratch[:total]
         self.views = [v.view(s) for v, s in zip(self.data.split(numels), shapes)]
@@ -37,7 +40,8 @@ class _Chunk:
 class Extremes:
     """``extremes(tensors)``: ``[n, 2]`` (min, max) of each (non-empty) tensor, in order, in
     the tensors' promoted dtype.  The packing is planned once per list of shapes and dtypes;
-    one scratch buffer per dtype and device (at most ``CHUNK_NUMEL`` elements) is kept."""
+    one scratch buffer per dtype and device (at most ``CHUNK_NUMEL`` elements) is kept, its memory
+    lent only while a call runs."""
 
     def __init__(self):
         self._plans: "OrderedDict[tuple, tuple]" = OrderedDict()  # least recently used first
@@ -58,12 +62,14 @@ class Extremes:
             self._plans.move_to_end(key)
         dtype, chunks, alone = plan
         out = torch.empty((len(tensors), 2), dtype=dtype, device=tensors[0].device if tensors else "cpu")
+        take_all(chunk.scratch for chunk in chunks)
         for chunk in chunks:
             torch._foreach_copy_(chunk.views, tensors if chunk.everything else [tensors[k] for k in chunk.positions])
             out[chunk.where, 0] = torch.segment_reduce(chunk.data, "min", lengths=chunk.lengths).to(dtype)
             out[chunk.where, 1] = torch.segment_reduce(chunk.data, "max", lengths=chunk.lengths).to(dtype)
         for k in alone:
             out[k] = torch.stack(torch.aminmax(tensors[k])).to(dtype)
+        give_back_all(chunk.scratch for chunk in chunks)  # a copy of the gradients: not kept between steps
         return out
 
     def _plan(self, tensors: List[torch.Tensor]) -> Tuple[torch.dtype, List[_Chunk], List[int]]:
@@ -83,6 +89,7 @@ class Extremes:
             scratch = self._scratch.get((dt, device))
             if scratch is None or scratch.numel() < size:
                 scratch = self._scratch[(dt, device)] = torch.empty(size, dtype=dt, device=device)
+            take(scratch)  # views are cut while its memory is there
             start, used = 0, 0
             for j, k in enumerate(ks + [None]):
                 n = tensors[k].numel() if k is not None else 0

@@ -416,9 +416,10 @@ class Muon(Optimizer):
         if not work:
             self._drain_early()
             return loss
-        gathers = self._gather(jobs)  # 5. momentum on local pieces, gathers issued
-        scatters = self._orthogonalize(jobs, gathers)  # 6. NS at home, scatters issued
-        self._apply(jobs, scatters)  # 7. results applied (or deferred to forward)
+        for batch in self._batches(jobs):
+            gathers = self._gather(batch)  # 5. momentum on local pieces, gathers issued
+            scatters = self._orthogonalize(batch, gathers)  # 6. NS at home, scatters issued
+            self._apply(batch, scatters)  # 7. results applied (or deferred to forward)
         if self._dispatch is not None and self._stack_allows_overlap():
             self._arm(jobs)  # the next backward sends the gathers whose gradients are final
         return loss
@@ -596,14 +597,33 @@ class Muon(Optimizer):
             device = accelerator()
         return CostModel.for_device(device.type)
 
+    def _batches(self, jobs: List[_Job]) -> List[List[_Job]]:
+        """Stages 5-7 run on all waves together (every gather issued before any NS), or, when no
+        wave moves anything (one process) and none left from backward, on one wave after another:
+        then one wave's transients live at a time (waves of bounded memory: ds_muon.budget)."""
+        if self._dispatch is None and not any(j.exchange.gather_traffic or j.exchange.scatter_traffic for j in jobs):
+            return [[j] for j in jobs]
+        return [jobs]
+
     def _gather(self, jobs: List[_Job]) -> list:
         """Stage 5: every wave's gather issued (of every domain) before any is waited on; a wave's
         momentum is computed just before its gather, so one wave's NS inputs live at a time.
         Gathers a backward hook already issued are claimed (their momentum committed now)."""
         early = self._dispatch.claim([j.exchange for j in jobs]) if self._dispatch is not None else {}
-        return [early[id(j.exchange)] if id(j.exchange) in early
-                else j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
-                for j in jobs]
+        return [early[id(j.exchange)] if id(j.exchange) in early else self._gather_one(j) for j in jobs]
+
+    def _gather_one(self, j: _Job):
+        """One wave's inputs into its gather, at most the exchange's memory budget of them at a time."""
+        pieces = self._pieces_of(j.layout, j.exchange)
+        parts = pieces.parts(getattr(j.exchange, "memory_budget", None))  # (a team's exchange: none)
+        if len(parts) == 1:
+            pending = j.exchange.gather_start(self._wave_inputs(j.layout, j.exchange)[0])
+            pieces.sent()  # copied into the exchange: their memory goes back
+            return pending
+        for part in parts:
+            j.exchange.gather_fill(pieces.inputs(self.param_groups, self.state, True, self._step_token, part)[0])
+            pieces.sent()
+        return j.exchange.gather_start(None, filled=True)
 
     @staticmethod
     def _orthogonalize(jobs: List[_Job], gathers: list) -> list:
@@ -647,7 +667,7 @@ class Muon(Optimizer):
         pieces = self._pieces.get(ex)
         if pieces is None:
             index = {id(p): gi for gi, g in enumerate(self.param_groups) if g["use_muon"] for p in g["params"]}
-            pieces = self._pieces[ex] = WavePieces(layout, ex.active, index)
+            pieces = self._pieces[ex] = WavePieces(layout, ex.active, index, getattr(ex, "reads", None))
         return pieces
 
     def _muon_groups(self) -> Dict[int, dict]:
@@ -696,6 +716,8 @@ class Muon(Optimizer):
             """``bound_in``: the step's token when applied within it (the views were checked this step).
             (No reference to the optimizer: a dropped optimizer's deferred updates must not keep it alive.)"""
             pieces.apply(ex.scatter_finish(pending), coefficients, bound_in)
+            if hasattr(ex, "done"):  # the exchange's buffers give their memory back until the next step
+                ex.done()
 
         return apply
 

@@ -10,7 +10,9 @@ parameters and momentum buffers, checked every step by the address of each local
 (a stack or a load that swaps storage gets new views).  Gradients are new every step: a
 piece that is all of a contiguous local tensor uses the tensor itself (no view), others
 are cut from the binding's flat view.  Nesterov's inputs are written into a kept buffer
-whose flat views the exchange reads, instead of new tensors every step.
+whose flat views the exchange reads, instead of new tensors every step; its memory is lent
+only until the exchange has copied them (:mod:`~ds_muon.lending`), and only the pieces the
+exchange reads get one (a replica's piece of a matrix homed elsewhere is not sent).
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, Layout, ParamBinding, matrix_shape
+from .lending import give_back, take
 from .update import apply_coefficients, apply_result, ns_input
 
 
 class WavePieces:
     """The pieces of ``ex.active`` this rank holds, sorted by (param group, shape,
-    transposed); ``group_index[id(param)]`` is each parameter's index in ``param_groups``."""
+    transposed); ``group_index[id(param)]`` is each parameter's index in ``param_groups``.
+    ``reads`` (default all): the matrices whose NS inputs the exchange reads; the others only
+    move their momentum."""
 
-    def __init__(self, layout: Layout, active: List[int], group_index: Dict[int, int]):
+    def __init__(self, layout: Layout, active: List[int], group_index: Dict[int, int], reads=None):
         entries = []
         for i in active:
             b, slot = layout.local[i]
@@ -57,6 +62,9 @@ class WavePieces:
         # runs of equal param group (the update's inputs) and of equal (group, shape, transposed) (its coefficients)
         self.group_indices = [e[0] for e in entries]
         self.groups = _runs(self.group_indices)
+        # per run of a param group: the positions in it whose inputs are read (None: all of them)
+        self._read_at = [None if reads is None or all(self.idx[k] in reads for k in range(a, z))
+                         else [k - a for k in range(a, z) if self.idx[k] in reads] for a, z in self.groups]
         self.kinds = [(a, z, entries[a][0], matrix_shape(entries[a][1]), entries[a][2])
                       for a, z in _runs([e[:3] for e in entries])]
         self._ptrs: Optional[list] = None  # local storage addresses of params then momenta the views were made for
@@ -71,6 +79,8 @@ class WavePieces:
         self._all_whole = False
         self._bound_in = None
         self._flat_results: Optional[bool] = None  # are all results flat (no column blocks)?
+        self._parts: Dict[Optional[int], List[Tuple[int, int]]] = {}
+        self._step_grads: Optional[List[torch.Tensor]] = None  # this step's, across its parts
         self._copied: List[int] = []  # pieces of parameters with no flat view (ParamBinding.copied)
 
     # -- views, checked every use ----------------------------------------------------------------
@@ -125,56 +135,103 @@ class WavePieces:
                            else flat if off == 0 and n == flat.numel() else flat[off:off + n])
         return out
 
-    def _kept_inputs(self, a: int, z: int, grads: List[torch.Tensor]):
-        """A kept buffer for pieces ``[a, z)``'s Nesterov inputs: views shaped like ``grads`` and flat."""
+    def _kept_inputs(self, a: int, z: int, grads: List[torch.Tensor], at: Optional[List[int]]):
+        """A kept buffer for the Nesterov inputs of pieces ``[a, z)`` (those ``at``, or all): views
+        shaped like ``grads`` and flat, and the buffer (its memory lent until :meth:`sent`)."""
         key = (a, z) + tuple(g.dtype for g in grads[:1])
         kept = self._inputs.get(key)
         if kept is None:
-            numels = [n for _, n in self.spans[a:z]]
+            numels = [self.spans[a + k][1] for k in at] if at is not None else [n for _, n in self.spans[a:z]]
             buf = torch.empty(sum(numels), dtype=grads[0].dtype, device=grads[0].device)
             flats = list(buf.split(numels))
-            kept = self._inputs[key] = ([f.view(g.shape) for f, g in zip(flats, grads)], flats)
+            kept = self._inputs[key] = ([f.view(g.shape) for f, g in zip(flats, grads)], flats, buf)
+        take(kept[2])
         return kept
 
+    def _within(self, part: Tuple[int, int]):
+        """The runs of a param group cut to ``part``, with their read positions."""
+        p0, p1 = part
+        for (a, z), at in zip(self.groups, self._read_at):
+            a2, z2 = max(a, p0), min(z, p1)
+            if a2 < z2:
+                yield (a2, z2), None if at is None else [a + k - a2 for k in at if a2 <= a + k < z2]
+
+    def sent(self) -> None:
+        """The exchange has copied this step's inputs: the Nesterov buffers' memory goes back."""
+        for kept in self._inputs.values():
+            give_back(kept[2])
+
+    def parts(self, budget: Optional[int]) -> List[Tuple[int, int]]:
+        """``[start, end)`` runs of the pieces whose NS inputs read take at most ``budget`` bytes each
+        (one run for everything without a budget, or when it all fits): the step computes and hands
+        over one run's inputs at a time, so only one run's Nesterov buffer exists at once."""
+        cached = self._parts.get(budget)
+        if cached is None:
+            n = len(self.idx)
+            read = [True] * n
+            for (a, z), at in zip(self.groups, self._read_at):
+                if at is not None:
+                    read[a:z] = [False] * (z - a)
+                    for k in at:
+                        read[a + k] = True
+            size = [self.spans[k][1] * self.params[k].dtype.itemsize if read[k] else 0 for k in range(n)]
+            cached, a, acc = [], 0, 0
+            if budget is not None and sum(size) > budget and not self._multi:  # (a matrix in several views: one part)
+                for k in range(n):
+                    if k > a and acc + size[k] > budget:
+                        cached.append((a, k))
+                        a, acc = k, 0
+                    acc += size[k]
+            cached.append((a, n))
+            self._parts[budget] = cached
+        return cached
+
     # -- the update's two halves -----------------------------------------------------------------
-    def inputs(self, param_groups, state, commit: bool = True, bound_in=None):
+    def inputs(self, param_groups, state, commit: bool = True, bound_in=None, part: Optional[Tuple[int, int]] = None):
         """This rank's pieces of the wave's NS inputs (weight decay, momentum, Nesterov:
         :func:`~ds_muon.update.ns_input`, one call per param group) as ``{matrix: flat piece}``,
         and (``commit=False``) the ``(momentum piece, new value)`` pairs to commit later.
-        ``bound_in``: a token of the step, for :meth:`apply`."""
-        self._bind(state)
-        self._bound_in = bound_in
-        if self._copied:
-            self._fresh_copies()
-        grads = self._grads()
+        ``bound_in``: a token of the step, for :meth:`apply`.  ``part``: only the pieces of one of
+        :meth:`parts` (default all)."""
+        if part is None or part[0] == 0:  # the views are checked and gradients listed once per step
+            self._bind(state)
+            self._bound_in = bound_in
+            if self._copied:
+                self._fresh_copies()
+            self._step_grads = self._grads()
+        grads = self._step_grads
+        if part is None or part[1] == len(self.idx):
+            self._step_grads = None  # no reference to the gradients outlives the step
         pieces: Dict[int, torch.Tensor] = {}
         commits = []
-        for a, z in self.groups:
+        for (a, z), at in (zip(self.groups, self._read_at) if part is None else self._within(part)):
             g = param_groups[self._group_of(a)]
             gs = grads[a:z]
             kept = None
-            if commit and g["nesterov"] and all(t.dtype == gs[0].dtype for t in gs):
-                kept = self._kept_inputs(a, z, gs)
+            if commit and g["nesterov"] and at != [] and all(t.dtype == gs[0].dtype for t in gs):
+                kept = self._kept_inputs(a, z, gs if at is None else [gs[k] for k in at], at)
             inputs, new = ns_input(gs, self._bufs[a:z], self._param_pieces[a:z], g, commit,
-                                   out=kept[0] if kept is not None else None)
+                                   out=kept[0] if kept is not None else None, only=at)
             if kept is not None:
                 flats = kept[1]
             elif commit and not g["nesterov"] and not self._strided:
-                flats = self._buf_flats[a:z]
+                flats = self._buf_flats[a:z] if at is None else [self._buf_flats[a + k] for k in at]
             else:
                 flats = [t.reshape(-1) for t in inputs]
+            idx = self.idx[a:z] if at is None else [self.idx[a + k] for k in at]
             if self._multi:
-                for i, f in zip(self.idx[a:z], flats):
+                for i, f in zip(idx, flats):
                     if i in self._multi:
                         pieces.setdefault(i, []).append(f)
                     else:
                         pieces[i] = f
             else:
-                pieces.update(zip(self.idx[a:z], flats))
+                pieces.update(zip(idx, flats))
             if not commit:
                 commits.extend(zip(self._bufs[a:z], new))
         for i in self._multi:  # the exchange sends a piece held in several views as one
-            pieces[i] = torch.cat([f.reshape(-1) for f in pieces[i]])
+            if i in pieces:  # (not when the exchange does not read it: a replica homed elsewhere)
+                pieces[i] = torch.cat([f.reshape(-1) for f in pieces[i]])
         return pieces, commits
 
     def _group_of(self, a: int) -> int:

@@ -91,11 +91,21 @@ class MuonTrainer(Trainer):
             self.optimizer = self.muon
         return self.optimizer
 
-    def _bind_engine(self) -> None:
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer calls this right after ``accelerator.prepare`` built the DeepSpeed engine and
+        before ``resume_from_checkpoint`` loads into it: bind there, so the load is ds_muon's (ZeRO-3's
+        universal loader reads every group's keys; DeepSpeed's own fails on a Muon group)."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        if self.is_deepspeed_enabled and self.muon is not None and wrapped is not None:
+            self._bind_engine(wrapped.engine)
+        return scheduler
+
+    def _bind_engine(self, engine=None) -> None:
         if self.is_deepspeed_enabled:
             from .deepspeed import bind
 
-            engine = self.model_wrapped
+            engine = engine if engine is not None else self.model_wrapped
             if find_muon(getattr(engine, "optimizer", None)) is not self.muon:
                 raise RuntimeError("MuonTrainer: the DeepSpeed engine does not step this trainer's ds_muon.Muon")
             if self.muon.adapter is None or getattr(self.muon.adapter, "engine", None) is not engine:

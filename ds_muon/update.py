@@ -16,7 +16,7 @@ from .scaling import get_muon_scale_factor
 
 
 def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[torch.Tensor], group: dict,
-             commit: bool = True, out: Optional[List[torch.Tensor]] = None
+             commit: bool = True, out: Optional[List[torch.Tensor]] = None, only: Optional[List[int]] = None
              ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """What NS orthogonalizes, from pieces of gradients, momentum buffers and parameters
     (lists of flat tensors of equal sizes, all of one param group ``group``): L2 weight decay
@@ -27,7 +27,9 @@ def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[t
     ``commit=True`` updates ``bufs`` in place; ``commit=False`` leaves them alone (a wave sent
     from backward commits only once the step has agreed the gradients are good).
     ``out`` (tensors shaped like ``grads``, kept by the caller) receives the Nesterov inputs in
-    place of new tensors: the same lerp, of a copy of ``grads``.  Returns ``(inputs, new momenta)``.
+    place of new tensors: the same lerp, of a copy of ``grads``.  ``only`` (positions): the pieces
+    whose inputs are wanted (every momentum moves; with Nesterov only those get an input).
+    Returns ``(inputs, new momenta)``.
     """
     if not grads:
         return [], []
@@ -39,12 +41,18 @@ def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[t
     else:
         new = list(torch._foreach_lerp(bufs, grads, 1 - group["momentum"]))
     if not group["nesterov"]:
-        return new, new
+        return (new if only is None else [new[k] for k in only]), new
+    if only is not None:
+        grads, wanted = [grads[k] for k in only], [new[k] for k in only]
+    else:
+        wanted = new
+    if not grads:
+        return [], new
     if out is not None:
         torch._foreach_copy_(out, grads)
-        torch._foreach_lerp_(out, new, group["momentum"])
+        torch._foreach_lerp_(out, wanted, group["momentum"])
         return out, new
-    return list(torch._foreach_lerp(grads, new, group["momentum"])), new
+    return list(torch._foreach_lerp(grads, wanted, group["momentum"])), new
 
 
 def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: bool) -> Tuple[Optional[float], float]:

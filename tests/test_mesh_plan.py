@@ -60,7 +60,7 @@ def _worker(rank, world):
             init = {n: p.detach().clone() for n, p in model.named_parameters()}
             _wrap("hsdp", model)
             opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype,
-                               planner="auto", cost_model=cm)
+                               planner="auto", cost_model=cm, team_ns=False)  # whole homes: bitwise
             grads, params = record(model, opt)
             # elements this rank sends to ranks of the other replica group (mesh row: rank // 2)
             across = sum(ex.split_send_g[d] + ex.split_send_s[d] for ex in opt.exchanges()

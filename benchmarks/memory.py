@@ -30,8 +30,7 @@ from torch import nn
 from common import header, table
 
 import dist_harness
-import ds_muon
-from memory_probe import held_bytes, peak_bytes
+from memory_probe import held_bytes, optimizers, peak_bytes
 
 MiB = 2**20
 
@@ -68,15 +67,6 @@ class TinyGPT(nn.Module):
 
 
 MODELS = {"4x1024^2": lambda: Square(4, 1024), "gpt d=256x4": TinyGPT}
-
-
-def _optimizers(kind: str, model: nn.Module):
-    groups = ds_muon.muon_param_groups(model)
-    if kind == "ds_muon":
-        return [ds_muon.Muon(groups, lr=0.02, log_summary=False)]
-    muon = [p for g in groups if g.get("use_muon", True) for p in g["params"]]
-    adam = [p for g in groups if not g.get("use_muon", True) for p in g["params"]]
-    return [torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True), torch.optim.AdamW(adam, lr=3e-4)]
 
 
 def _wave_home_bytes(opts) -> int:
@@ -117,7 +107,7 @@ def measure(model_name: str, kind: str, stack: str, steps: int = 4) -> dict:
         for m in (model.gpt.blocks if hasattr(model, "gpt") else model.layers):
             fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opts = _optimizers(kind, model.module if stack == "ddp" else model)
+    opts = optimizers(kind, model.module if stack == "ddp" else model)
     inner = model.module if stack == "ddp" else model
     g = torch.Generator().manual_seed(0)
 

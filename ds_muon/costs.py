@@ -188,20 +188,30 @@ def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostMode
 def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
     """The optimizer's ``planner="auto"`` (:func:`~ds_muon.planner.plan_multi_homes`), counted the way
     its exchange moves bytes (:func:`~ds_muon.planner.pair_traffic`)."""
-    tasks = [t if len(t.held) == world else dataclasses.replace(t, held=tuple(t.held) + (0,) * (world - len(t.held)))
-             for t in tasks]  # replica groups kept: the optimizer plans with them
+    tasks = _held_by_every_rank(tasks, world)  # replica groups kept: the optimizer plans with them
     homes = plan_multi_homes(tasks, world, cm, "auto")
     ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
     for t, hs in zip(tasks, homes):
-        for h in hs:
-            ns[h] += t.flops
-            count[h] += 1
-        for (a, b), n in pair_traffic(t, hs).items():
-            sent[a] += n * t.elem_bytes
-            recv[b] += n * t.elem_bytes
+        _count_homes(t, hs, ns, count, sent, recv)
     cost = _modelled("auto", ns, sent, recv, 2 if any(sent) else 0, count, cm, tasks)  # no bytes: no collective
     cost.peers = peer_counts(tasks, homes, world)
     return cost
+
+
+def _held_by_every_rank(tasks: Sequence[MatrixTask], world: int) -> List[MatrixTask]:
+    """Tasks whose ``held`` has an entry per rank (ranks past the given ones hold nothing)."""
+    return [t if len(t.held) == world else dataclasses.replace(t, held=tuple(t.held) + (0,) * (world - len(t.held)))
+            for t in tasks]
+
+
+def _count_homes(t: MatrixTask, homes, ns, count, sent, recv) -> None:
+    """Add one matrix's NS at each of its homes, and the bytes its exchange moves, to the per-rank totals."""
+    for h in homes:
+        ns[h] += t.flops
+        count[h] += 1
+    for (a, b), n in pair_traffic(t, homes).items():
+        sent[a] += n * t.elem_bytes
+        recv[b] += n * t.elem_bytes
 
 
 def team_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> Tuple[StrategyCost, dict]:
@@ -210,8 +220,7 @@ def team_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> Tuple[S
     of their blocks (:func:`~ds_muon.planner.team_traffic`) and of the ring all_reduces; seconds
     are the planner's own (:func:`~ds_muon.planner.team_seconds` beside one home's).  Also returns
     the row's extra columns."""
-    tasks = [t if len(t.held) == world else dataclasses.replace(t, held=tuple(t.held) + (0,) * (world - len(t.held)))
-             for t in tasks]
+    tasks = _held_by_every_rank(tasks, world)
     homes = plan_multi_homes(tasks, world, cm, "auto")
     teams = plan_teams(tasks, world, homes, cm)
     alone, homes = homes, rebalance_homes(tasks, world, homes, teams, cm)
@@ -236,12 +245,7 @@ def team_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> Tuple[S
                 sent[r] += float(s_el[r]) * t.elem_bytes
                 recv[r] += float(r_el[r]) * t.elem_bytes
         else:
-            for h in hs:
-                ns[h] += t.flops
-                count[h] += 1
-            for (a, b), n in pair_traffic(t, hs).items():
-                sent[a] += n * t.elem_bytes
-                recv[b] += n * t.elem_bytes
+            _count_homes(t, hs, ns, count, sent, recv)
             vec = costs(i, tuple(hs))
         for r in range(world):
             seconds[r] += float(vec[r])

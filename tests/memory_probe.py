@@ -22,6 +22,8 @@ from typing import Callable, Iterable, Tuple
 import torch
 from torch import nn
 
+import ds_muon
+
 _STOP = (type, types.ModuleType, nn.Module, types.FrameType, types.CodeType)
 
 
@@ -100,3 +102,14 @@ def peak_bytes(fn: Callable[[], object]) -> Tuple[int, int]:
         running += e.nbytes()
         peak = max(peak, running)
     return peak, running
+
+
+def optimizers(kind: str, model: nn.Module) -> list:
+    """What a step is measured with: ``"ds_muon"`` (one Muon over ds_muon's groups), or
+    ``"torch"``: torch.optim.Muon on the same Muon tensors beside torch.optim.AdamW on the rest."""
+    groups = ds_muon.muon_param_groups(model)
+    if kind == "ds_muon":
+        return [ds_muon.Muon(groups, lr=0.02, log_summary=False)]
+    muon = [p for g in groups if g.get("use_muon", True) for p in g["params"]]
+    adam = [p for g in groups if not g.get("use_muon", True) for p in g["params"]]
+    return [torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True), torch.optim.AdamW(adam, lr=3e-4)]

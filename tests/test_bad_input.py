@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import dist_harness
 import ds_muon
 from ds_muon import cli
 from ds_muon.deepspeed import build_optimizer
@@ -26,10 +27,8 @@ from ds_muon.summary import Summary
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny tensors: one thread (no oversubscription on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with dist_harness.one_thread():
+        yield
 
 
 def _model(seed=0):

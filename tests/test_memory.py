@@ -16,7 +16,7 @@ import ds_muon
 from ds_muon.budget import ChunkedNS, split_by_bytes
 from ds_muon.compile import ns_settings
 from ds_muon.lending import full_bytes, give_back, take
-from memory_probe import held_bytes, peak_bytes
+from memory_probe import held_bytes, optimizers, peak_bytes
 
 LIMIT = 1.1  # the goal: at most 10 % over torch
 
@@ -26,18 +26,9 @@ def _model(d: int, n: int = 4) -> nn.Module:
     return nn.Sequential(*[nn.Linear(d, d) for _ in range(n)])
 
 
-def _optimizers(kind: str, model: nn.Module):
-    groups = ds_muon.muon_param_groups(model)
-    if kind == "ds_muon":
-        return [ds_muon.Muon(groups, lr=0.02, log_summary=False)]
-    muon = [p for g in groups if g.get("use_muon", True) for p in g["params"]]
-    adam = [p for g in groups if not g.get("use_muon", True) for p in g["params"]]
-    return [torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True), torch.optim.AdamW(adam, lr=3e-4)]
-
-
 def _held_and_peak(kind: str, model: nn.Module, wrapped: nn.Module = None, steps: int = 3, peak: bool = True):
     wrapped = wrapped if wrapped is not None else model
-    opts = _optimizers(kind, model)
+    opts = optimizers(kind, model)
     g = torch.Generator().manual_seed(0)
     params = list(wrapped.parameters())
 

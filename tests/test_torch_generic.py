@@ -30,15 +30,14 @@ from torch.optim import SGD
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import dist_harness
 import ds_muon
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny tensors: one thread (no oversubscription on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with dist_harness.one_thread():
+        yield
 
 
 SCHEDULERS = [lambda opt: StepLR(opt, gamma=0.9, step_size=10), lambda opt: ReduceLROnPlateau(opt)]  # torch's defaults

@@ -17,7 +17,8 @@ Variants:
   (eager, the default, and bf16 with ``"compile": true``);
 * ``deepspeed muon <method>``: ``"type": "muon"`` with ``ns_method`` ``standard``
   (NS in bf16) or ``gram`` (its default; NS in fp16), each with torch.compile as
-  DeepSpeed ships it and with ``TORCHDYNAMO_DISABLE=1``.
+  DeepSpeed ships it and eager (``torch.compiler.set_stance("force_eager")``, what
+  ``TORCHDYNAMO_DISABLE=1`` does, but per variant inside one process).
 
 Both Muons take the same tensors (hidden matrices; embeddings, head, norms and
 biases on Adam).  Per-rank NS work comes from the plans: ds_muon's exchange homes,
@@ -147,7 +148,7 @@ def _ns_and_bytes(engine, variant):
     return flops, extra
 
 
-def _worker(rank, world, variant, args):
+def _engine(variant, args):
     torch.manual_seed(0)
     if args.model == "bank":
         model = BankNet()
@@ -157,41 +158,36 @@ def _worker(rank, world, variant, args):
     if variant.startswith("ds_muon"):
         import ds_muon.deepspeed
 
-        engine, _, _, _ = ds_muon.deepspeed.initialize(model=model, config=cfg)
-    else:
-        import deepspeed
+        return ds_muon.deepspeed.initialize(model=model, config=cfg)[0]
+    import deepspeed
 
-        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)
+    return deepspeed.initialize(model=model, config=cfg)[0]
+
+
+def _worker(rank, world, runs, args):
+    """Every variant's engine in these two processes, taking turns round by round (the
+    order reversed every other round).  ``eager`` variants of DeepSpeed's Muon run under
+    ``torch.compiler.set_stance("force_eager")``: its ``@torch.compile`` functions run as
+    plain Python, as under ``TORCHDYNAMO_DISABLE=1``, while the compiled variants of the
+    same process keep their graphs."""
+    engines = [(label, _engine(variant, args), dynamo) for variant, label, dynamo in runs]
     g = torch.Generator().manual_seed(rank)
-    times, cpu = [], []
+    rows = {label: [] for label, _, _ in engines}  # per round: (wall, CPU) of the slowest rank
     for it in range(args.warmup + args.steps):
         idx = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
-        loss = engine(idx[:, :-1], idx[:, 1:])
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        engine.backward(loss)
-        engine.step()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    slowest = torch.tensor([times[args.warmup:], cpu[args.warmup:]], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    flops, sent = _ns_and_bytes(engine, variant)
-    return statistics.median(slowest[0].tolist()), flops, sent, statistics.median(slowest[1].tolist())
-
-
-def run_variant(variant, dynamo, args):
-    old = os.environ.get("TORCHDYNAMO_DISABLE")
-    if dynamo:
-        os.environ.pop("TORCHDYNAMO_DISABLE", None)
-    else:
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    try:  # the spawned ranks inherit the environment before they import torch
-        return dist_harness.run(_worker, WORLD, variant, args, timeout=args.timeout)
-    finally:
-        if old is None:
-            os.environ.pop("TORCHDYNAMO_DISABLE", None)
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = old
+        for label, engine, dynamo in (engines if it % 2 == 0 else engines[::-1]):
+            with torch.compiler.set_stance("default" if dynamo else "force_eager"):
+                loss = engine(idx[:, :-1], idx[:, 1:])
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                engine.backward(loss)
+                engine.step()
+                t = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if it >= args.warmup:
+                rows[label].append(t.tolist())
+    plans = {label: _ns_and_bytes(engine, variant) for (label, engine, _), (variant, _, _) in zip(engines, runs)}
+    return rows, plans, os.getloadavg()
 
 
 def main():
@@ -203,7 +199,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--skip-compiled", action="store_true", help="skip the torch.compile variants")
     ap.add_argument("--skip-fp32", action="store_true", help="skip ds_muon with NS in fp32")
     args = ap.parse_args()
@@ -215,7 +211,7 @@ def main():
     else:
         print(f"model: examples/gpt.GPT d={args.dim} layers={args.layers} seq={args.seq}, micro-batch {args.batch} "
               "per rank;", end=" ")
-    print(f"{args.steps} timed iterations after {args.warmup} warm-up; one thread per rank; per iteration the "
+    print(f"{args.steps} interleaved rounds after {args.warmup} warm-up; one thread per rank; per round the "
           "slowest rank\n")
 
     runs = [("adamw", "AdamW (DeepSpeed, torch_adam)", False)]
@@ -225,38 +221,37 @@ def main():
     if not args.skip_compiled:
         runs.append(("ds_muon bfloat16 compile", "ds_muon, NS bf16, compile=True", True))
     for method, dtype in (("standard", "bf16"), ("gram", "fp16")):
-        runs.append((f"ds muon {method}", f"DeepSpeed muon {method} (NS {dtype}), TORCHDYNAMO_DISABLE=1", False))
+        runs.append((f"ds muon {method}", f"DeepSpeed muon {method} (NS {dtype}), eager", False))
         if not args.skip_compiled:
             runs.append((f"ds muon {method}", f"DeepSpeed muon {method} (NS {dtype}), torch.compile", True))
-    results = {}
-    for variant, label, dynamo in runs:
-        per_rank = run_variant(variant, dynamo, args)
-        results[label] = per_rank
-        print(f"  {label}: {per_rank[0][0] * 1e3:.1f} ms wall, {per_rank[0][3] * 1e3:.1f} ms CPU", flush=True)
-    print()
-    base_wall, base_cpu = results["AdamW (DeepSpeed, torch_adam)"][0][0], results["AdamW (DeepSpeed, torch_adam)"][0][3]
-    rows = []
-    for label, per_rank in results.items():
-        t, c = per_rank[0][0], per_rank[0][3]
-        flops = [r[1] for r in per_rank]
-        sent = [r[2] for r in per_rank]
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    per_rank = dist_harness.run(_worker, WORLD, runs, args, timeout=args.timeout)
+    rows = per_rank[0][0]
+    print(f"load average after:  {' '.join(f'{x:.2f}' for x in per_rank[0][2])}\n")
+    base = rows["AdamW (DeepSpeed, torch_adam)"]
+    out = []
+    for label, r in rows.items():
+        flops = [pr[1][label][0] for pr in per_rank]
+        sent = [pr[1][label][1] for pr in per_rank]
         mean = sum(flops) / len(flops)
-        rows.append([label, t * 1e3, c * 1e3, (t - base_wall) * 1e3, (c - base_cpu) * 1e3,
-                     f"{max(flops) / 1e9:.3g} / {mean / 1e9:.3g}" if mean else "-",
-                     f"{max(sent) / 1e6:.3g}"])
+        out.append([label, statistics.median(x[0] for x in r) * 1e3, statistics.median(x[1] for x in r) * 1e3,
+                    statistics.median(x[0] - b[0] for x, b in zip(r, base)) * 1e3,
+                    statistics.median(x[1] - b[1] for x, b in zip(r, base)) * 1e3,
+                    f"{max(flops) / 1e9:.3g} / {mean / 1e9:.3g}" if mean else "-", f"{max(sent) / 1e6:.3g}"])
     table(["optimizer", "wall ms", "CPU ms", "overhead wall ms", "overhead CPU ms", "NS GFLOP max / mean",
-           "MB sent max"], rows)
+           "MB sent max"], out)
 
-    def overhead(label):
-        r = results[label][0]
-        return r[0] - base_wall, r[3] - base_cpu
+    def ratio(ours, theirs, k):
+        per_round = [(o[k] - b[k]) / (t[k] - b[k]) for o, t, b in zip(rows[ours], rows[theirs], base)]
+        return statistics.median(per_round), min(per_round), max(per_round)
 
-    ours = overhead("ds_muon, NS bf16")
-    print("Muon overhead over AdamW, NS bf16, ds_muon eager / DeepSpeed (below 1: ds_muon adds less):")
-    for label in results:
-        if label.startswith("DeepSpeed muon"):
-            theirs = overhead(label)
-            print(f"  vs {label}: CPU {ours[1] / theirs[1]:.2f}x, wall {ours[0] / theirs[0]:.2f}x")
+    print("Muon overhead over AdamW, ds_muon / DeepSpeed, median of per-round ratios (rounds' range; below 1: "
+          "ds_muon adds less):")
+    for ours in [lb for lb in rows if lb.startswith("ds_muon, NS bf16")]:
+        for theirs in [lb for lb in rows if lb.startswith("DeepSpeed muon")]:
+            c, w = ratio(ours, theirs, 1), ratio(ours, theirs, 0)
+            print(f"  {ours} vs {theirs}: CPU {c[0]:.2f}x ({c[1]:.2f}-{c[2]:.2f}), "
+                  f"wall {w[0]:.2f}x ({w[1]:.2f}-{w[2]:.2f})")
 
 
 if __name__ == "__main__":

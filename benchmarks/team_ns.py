@@ -60,7 +60,8 @@ def _worker(rank, world, shapes, rounds, ns_dtype):
                 times[planner].append(t)
     summary = opts["auto"][1].summary()
     teams = [(m.shape, m.team) for m in summary.matrices if m.team]
-    diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(opts["auto"][0], opts["locality"][0]))
+    diff = max(float((a.detach() - b.detach()).abs().max() / b.detach().abs().max())
+               for a, b in zip(opts["auto"][0], opts["locality"][0]))
     per_rank = {k: statistics.median(t[2] for t in v) for k, v in times.items()}
     return times, teams, diff, per_rank
 
@@ -109,6 +110,9 @@ def main():
         times, teams, diff, _ = out[0]
         print(f"W={world}: CPU ms per rank (auto | locality):",
               " ".join(f"{o[3]['auto'] * 1e3:.0f}|{o[3]['locality'] * 1e3:.0f}" for o in out))
+        loc_cpu = [o[3]["locality"] for o in out]  # the ideal: locality's work split evenly, nothing sent
+        print(f"W={world}: ideal auto/locality (locality's CPU per rank, mean over max): "
+              f"{statistics.mean(loc_cpu) / max(loc_cpu):.3f}")
         auto, loc = times["auto"], times["locality"]
         wall = statistics.median(a[0] / b[0] for a, b in zip(auto, loc))
         cpu = statistics.median(a[1] / b[1] for a, b in zip(auto, loc))

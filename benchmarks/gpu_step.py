@@ -21,7 +21,7 @@ import torch
 from common import header, table
 
 import ds_muon
-from ds_muon.newton_schulz import ns_flops
+from ds_muon.rules.newton_schulz import ns_flops
 
 
 def shapes(d: int, layers: int):

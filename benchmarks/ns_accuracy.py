@@ -16,7 +16,7 @@ import torch
 
 from common import header, table  # noqa: E402
 
-from ds_muon.newton_schulz import compiled_newton_schulz, compute_dtype, newton_schulz  # noqa: E402
+from ds_muon.rules.newton_schulz import compiled_newton_schulz, compute_dtype, newton_schulz  # noqa: E402
 
 SHAPES = [(256, 1024), (128, 768), (384, 384), (1536, 512)]
 

@@ -2,7 +2,7 @@
 
 One thread (as one rank runs its home stacks).  Each round times, back to back: one
 2048² GEMM (the reference rate), then per stack of the bank ds_muon's NS (the kernel
-forms and chunking :mod:`ds_muon.ns_kernels` chooses on this machine), ds_muon's NS with every
+forms and chunking :mod:`ds_muon.rules.ns_kernels` chooses on this machine), ds_muon's NS with every
 product pinned batched on whole stacks (the old code: ``bmm``/``baddbmm``), and torch.optim.Muon's own NS
 matrix by matrix (``torch.optim._muon._zeropower_via_newtonschulz``; it computes in bf16
 only, so its fp32 column runs the same loop in fp32).  The machine's matmul rate swings
@@ -13,7 +13,7 @@ CPU (wall beside it) and over synchronized wall time on a GPU.
 ``--device cuda`` reports the NS rate as a fraction of the GPU's dense bf16 peak
 (``--peak-tflops``, default the H200's 989) and adds Gram NS (``ns_method="gram"``, which
 iterates in fp16 when asked for bf16).  ``--calibrate`` first runs
-:func:`ds_muon.ns_kernels.calibrate` and prints what it measured per class.
+:func:`ds_muon.rules.ns_kernels.calibrate` and prints what it measured per class.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 
 from common import header, table
 
-from ds_muon import ns_kernels
-from ds_muon.newton_schulz import KELLER, newton_schulz, ns_flops
+from ds_muon.rules import ns_kernels
+from ds_muon.rules.newton_schulz import KELLER, newton_schulz, ns_flops
 
 BANK = [(8, 512, 512), (4, 1536, 512), (4, 512, 1536), (4, 384, 1024)]
 STEPS = 5
@@ -158,7 +158,7 @@ def roofline(dtype, rounds, with_gram):
 
 
 def print_calibration(dtypes):
-    print("Calibration (ds_muon.ns_kernels.measure: each product's forms interleaved, median ms;"
+    print("Calibration (ds_muon.rules.ns_kernels.measure: each product's forms interleaved, median ms;"
           " '=' the batched form's bits)\n")
     rows = []
     for dtype in dtypes:
@@ -192,7 +192,7 @@ def main():
     global DEVICE, COMPILED
     DEVICE = args.device
     if args.compile:
-        from ds_muon.newton_schulz import compiled_newton_schulz
+        from ds_muon.rules.newton_schulz import compiled_newton_schulz
 
         COMPILED = compiled_newton_schulz()
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -202,7 +202,7 @@ def main():
     header(f"Newton–Schulz vs GEMM 2048² vs torch.optim.Muon's NS, {STEPS} Keller steps, {args.rounds} interleaved "
            "rounds, medians of per-round ratios"+ (" (GPU: device time)" if DEVICE == "cuda" else
                                                      ", one thread, process CPU time"))
-    print(f"ds_muon.ns_kernels: family {ns_kernels.family(DEVICE)}, table {ns_kernels.fingerprint()}\n")
+    print(f"ds_muon.rules.ns_kernels: family {ns_kernels.family(DEVICE)}, table {ns_kernels.fingerprint()}\n")
     if args.calibrate:
         print_calibration(dtypes)
     rows = []

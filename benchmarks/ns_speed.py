@@ -15,7 +15,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from common import header, median_seconds, table
 
 import ds_muon
-from ds_muon.newton_schulz import KELLER, ns_flops
+from ds_muon.rules.newton_schulz import KELLER, ns_flops
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768), (1024, 4096)]
 

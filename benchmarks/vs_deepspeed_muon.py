@@ -116,7 +116,7 @@ def _config(variant, args):
 
 def _ns_and_bytes(engine, variant):
     """(NS FLOPs this rank runs per step, bytes this rank sends for Muon per step)."""
-    from ds_muon.newton_schulz import ns_flops
+    from ds_muon.rules.newton_schulz import ns_flops
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if variant.startswith("ds_muon"):

@@ -36,7 +36,7 @@ from common import header, table
 
 import dist_harness
 import ds_muon
-from ds_muon.newton_schulz import ns_flops
+from ds_muon.rules.newton_schulz import ns_flops
 from vs_deepspeed_muon import BankNet
 
 WORLD = 2
@@ -106,7 +106,7 @@ def check_same_update(shape=(512, 1536), seed=0):
     the exact update (the stand-in's maths in float64) as the stand-in's bf16 update is.
     Returns relative Frobenius differences: (ds_muon bf16 vs exact, stand-in bf16 vs exact
     = the tolerance, ds_muon vs stand-in in bf16, ds_muon's fp32 NS vs the stand-in's maths in fp32)."""
-    from ds_muon.newton_schulz import newton_schulz  # the function ds_muon.Muon's bf16 path runs
+    from ds_muon.rules.newton_schulz import newton_schulz  # the function ds_muon.Muon's bf16 path runs
 
     g = torch.Generator().manual_seed(seed)
     w0 = torch.randn(shape, generator=g) * 0.02

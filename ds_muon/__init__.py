@@ -1,12 +1,12 @@
 """ds_muon: Muon for sharded PyTorch training (DeepSpeed ZeRO, FSDP1/FSDP2, DDP, accelerate)."""
 
-from .layout import Layout, MatrixSlot, ParamBinding, Piece
-from .newton_schulz import newton_schulz
+from .engine.layout import Layout, MatrixSlot, ParamBinding, Piece
+from .engine.planner import CostModel, MatrixTask, Plan, plan_homes
+from .models.tags import domain, expert_weight, fused_blocks, split_rows, tensor_parallel, transposed
 from .optimizer import Muon
 from .param_groups import muon_param_groups
-from .planner import CostModel, MatrixTask, Plan, plan_homes
-from .scaling import get_muon_scale_factor
-from .tags import domain, expert_weight, fused_blocks, split_rows, tensor_parallel, transposed
+from .rules.newton_schulz import newton_schulz
+from .rules.scaling import get_muon_scale_factor
 from .unwrap import find_muon
 
 __all__ = [

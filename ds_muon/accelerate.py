@@ -36,8 +36,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .optimizer import Muon
-from .unwrap import find_muon as _find_muon
 from .param_groups import muon_param_groups
+from .unwrap import find_muon as _find_muon
 
 __all__ = ["Accelerator", "prepare", "find_muon", "split_settings"]
 

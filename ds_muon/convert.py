@@ -5,7 +5,7 @@ state (``momentum_buffer`` for Muon, ``exp_avg`` / ``exp_avg_sq`` / ``step`` for
 tensor's name in the model.  Sources:
 
 * a DeepSpeed ZeRO-1/2/3 checkpoint (ds_muon's ``"type": "DsMuon"`` or DeepSpeed's ``"type": "muon"``):
-  DeepSpeed's universal conversion over every state key (:mod:`ds_muon.universal`), then read by name;
+  DeepSpeed's universal conversion over every state key (:mod:`ds_muon.integrations.deepspeed_universal`), then read by name;
 * a DeepSpeed universal checkpoint (a folder with ``zero/``);
 * a DCP checkpoint (FSDP2/FSDP1 ``get_state_dict`` saved as ``{"model": ..., "optim": ...}``, any world
   size): ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, then as a torch file;
@@ -87,7 +87,7 @@ def _tag_folder(src: str) -> str:
 
 
 def read_universal_named(folder: str) -> Named:
-    from .universal import read_universal
+    from .integrations.deepspeed_universal import read_universal
 
     named = Named()
     for name, entries in read_universal(folder).items():
@@ -99,7 +99,7 @@ def read_universal_named(folder: str) -> Named:
 
 def read_deepspeed(folder: str) -> Named:
     """A ZeRO-1/2/3 checkpoint folder (one tag, or its root with ``latest``) by tensor name."""
-    from .universal import zero_to_universal
+    from .integrations.deepspeed_universal import zero_to_universal
 
     with tempfile.TemporaryDirectory() as tmp:
         return read_universal_named(zero_to_universal(_tag_folder(folder), os.path.join(tmp, "universal")))
@@ -340,11 +340,11 @@ def write_universal(model: nn.Module, muon: Muon, folder: str, config: Optional[
     """A DeepSpeed universal checkpoint of ``model`` and ``muon``'s state: a one-rank ZeRO-1 DsMuon engine
     (``config``'s DsMuon entry and settings) is given the state through DeepSpeed's
     ``safe_set_full_optimizer_state``, saves with ``save_checkpoint``, and is converted by
-    :func:`ds_muon.universal.zero_to_universal` into ``folder`` (``latest_universal`` beside it)."""
+    :func:`ds_muon.integrations.deepspeed_universal.zero_to_universal` into ``folder`` (``latest_universal`` beside it)."""
     from deepspeed.utils import safe_set_full_optimizer_state
 
     from .deepspeed import initialize
-    from .universal import zero_to_universal
+    from .integrations.deepspeed_universal import zero_to_universal
 
     cfg = dict(config or {})
     cfg.setdefault("optimizer", {"type": "DsMuon", "params": {}})

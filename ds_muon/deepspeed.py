@@ -7,7 +7,7 @@ The config entry::
 
 ``params`` accepts every :class:`ds_muon.Muon` keyword that JSON can express
 (dtypes as strings such as ``"bfloat16"``, tuples as lists, ``cost_model`` as an
-object of :class:`~ds_muon.planner.CostModel` fields) plus ``adam_lr`` and
+object of :class:`~ds_muon.engine.planner.CostModel` fields) plus ``adam_lr`` and
 ``adam_weight_decay`` (the AdamW group of :func:`ds_muon.muon_param_groups`).
 Everything else in the config goes to DeepSpeed unchanged, with
 ``zero_allow_untested_optimizer`` set.
@@ -21,9 +21,8 @@ bitwise the run without offload (docs/DEEPSPEED.md).
 Binding: ``ds_muon.deepspeed.bind(engine)`` is the one spelling (after a
 ``deepspeed.initialize`` you called yourself; :func:`initialize`,
 ``ds_muon.accelerate.prepare`` and ``ds_muon.trainer.MuonTrainer`` call it).
-``ds_muon.integrations.deepspeed.bind`` is the same function under its
-implementation module's name, the spelling older docs used: it keeps working but
-is deprecated as a public name.
+(It moved here from ``ds_muon.integrations.deepspeed``, the adapter, which describes
+partitions and never sees the optimizer.)
 
 Gradient clipping: DeepSpeed's ``gradient_clipping`` (DeepSpeed 0.19.8 defaults it
 to 1.0) clips the raw averaged gradient before ``Muon.step``; the orthogonalized
@@ -40,14 +39,16 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .cpu_adam import adamw_kernel
-from .integrations.base import HOW_TO_BIND
-from .integrations.deepspeed import (allow_client_optimizer_offload, bind, check_no_deepspeed_muon_tags,
+from .engine.planner import CostModel
+from .integrations.base import FLAT_PARTITION, HOW_TO_BIND
+from .integrations.deepspeed import (DeepSpeedAdapter, allow_client_optimizer_offload, check_no_deepspeed_muon_tags,
                                      check_supported_config)
-from .integrations.moe import split_moe_groups
+from .integrations.deepspeed_checkpoint import guard_loads
+from .integrations.deepspeed_cpu_adam import adamw_kernel
+from .integrations.moe import split_moe_groups, tag_deepspeed_moe
 from .optimizer import Muon
 from .param_groups import muon_param_groups
-from .planner import CostModel
+from .unwrap import find_muon
 
 OPTIMIZER_TYPE = "DsMuon"
 # Muon keywords that are not settings (objects ds_muon fills in from the engine), or that
@@ -136,7 +137,7 @@ def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any
     """``Muon`` over ``muon_param_groups(model)`` from a DsMuon entry's ``params``.
 
     ``"adam_kernel": "deepspeed_cpu"`` steps the AdamW tensors held on the host with
-    DeepSpeed's CPU Adam (:mod:`ds_muon.cpu_adam`: faster, not bitwise torch's AdamW);
+    DeepSpeed's CPU Adam (:mod:`ds_muon.integrations.deepspeed_cpu_adam`: faster, not bitwise torch's AdamW);
     the default ``"torch"`` keeps an offloaded run bitwise the run without."""
     entry_params = dict(entry_params or {})
     kernel = adamw_kernel(str(entry_params.pop("adam_kernel", "torch")))
@@ -225,6 +226,31 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                                mesh_param=mesh_param, **kw)
     bind(out[0], optimizer)
     return out
+
+
+def bind(engine, optimizer=None):
+    """Attach a :class:`~ds_muon.integrations.deepspeed.DeepSpeedAdapter` to the ``ds_muon.Muon`` inside ``engine``; returns the Muon.
+
+    Call once, after ``deepspeed.initialize`` (``ds_muon.deepspeed.initialize`` does it
+    for you).  ``engine`` is the DeepSpeedEngine (with accelerate: the prepared model).
+    """
+    muon = optimizer if optimizer is not None else find_muon(engine, required=False)
+    if muon is None:
+        raise ValueError(
+            f"ds_muon: {type(engine).__name__} holds no ds_muon.Muon (its optimizer is "
+            f"{type(getattr(engine, 'optimizer', None)).__name__}); pass the DeepSpeed engine that was built "
+            "with a ds_muon.Muon")
+    if not hasattr(engine, "optimizer"):
+        raise ValueError(f"ds_muon: bind() needs the DeepSpeed engine, got {type(engine).__name__}")
+    names = dict(getattr(engine, "param_names", None) or {})
+    check_no_deepspeed_muon_tags(list(engine.module.parameters()), names)
+    tag_deepspeed_moe(engine.module)  # expert parameters: their expert data-parallel domain
+    adapter = DeepSpeedAdapter(engine, wrapped=engine.optimizer is not muon)
+    for t in adapter.flat_partitions():
+        setattr(t, FLAT_PARTITION, True)  # 1-D flat partitions that hold matrices
+    muon.attach(adapter)
+    guard_loads(engine, muon)  # checkpoints whose groups differ are refused before anything loads
+    return muon
 
 
 __all__ = ["initialize", "optimizer_from_config", "build_optimizer", "parse_params", "accepted_params", "load_config", "bind", "HOW_TO_BIND"]

@@ -2,27 +2,27 @@
 
 The step's stages, in :meth:`Muon.step`'s order (every stack goes through the same path):
 
-1. check (:mod:`~ds_muon.agreement`), before anything changes: gradient presence
+1. check (:mod:`~ds_muon.engine.agreement`), before anything changes: gradient presence
    agrees across ranks and every gradient is finite (one small all_reduce); every
-   state tensor fits its parameter (:mod:`~ds_muon.state_check`);
+   state tensor fits its parameter (:mod:`~ds_muon.engine.state_check`);
 2. AdamW, through torch's own functional AdamW, on tensors of ``use_muon=False``
    groups (and on the non-matrix slices of mixed flat shards), run once stages 3–4
    (which write nothing) have planned, so a step refused there changes nothing;
 3. layouts: which matrices of each layout (one per process group) step;
-4. plan (:mod:`~ds_muon.compile`): homes (:mod:`~ds_muon.planner`), wire dtypes and
-   waves, compiled once into :class:`~ds_muon.exchange.Exchange` objects;
-5. momentum on local pieces only (:mod:`~ds_muon.update`: weight decay, momentum,
+4. plan (:mod:`~ds_muon.engine.compile`): homes (:mod:`~ds_muon.engine.planner`), wire dtypes and
+   waves, compiled once into :class:`~ds_muon.engine.exchange.Exchange` objects;
+5. momentum on local pieces only (:mod:`~ds_muon.rules.update`: weight decay, momentum,
    Nesterov), then each wave's gather brings its matrices whole to their homes;
 6. NS at home, batched by shape, then the scatter sends results back;
-7. apply: each rank's pieces of the results, in place (:mod:`~ds_muon.update`).
+7. apply: each rank's pieces of the results, in place (:mod:`~ds_muon.rules.update`).
 
-With ``overlap=True`` (:mod:`~ds_muon.overlap`) the exchange runs in waves; under
+With ``overlap=True`` (:mod:`~ds_muon.engine.overlap`) the exchange runs in waves; under
 FSDP2 a wave's momentum and gather may already have left during backward (its
 momentum committed after stage 1).  Every update has landed when ``step()`` returns,
 unless ``apply_in_forward=True`` opts into applying them by the next forward.
 
 How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
-as :class:`~ds_muon.layout.ParamBinding` objects; nothing here depends on the stack.
+as :class:`~ds_muon.engine.layout.ParamBinding` objects; nothing here depends on the stack.
 """
 
 from __future__ import annotations
@@ -37,23 +37,23 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from .agreement import Agreement, LocalFailure, settings_of
-from .compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
-from .exchange import Exchange
-from .identity import next_ordinal
-from .groups import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_keyword_booleans, check_loaded_groups,
+from .engine.agreement import Agreement, LocalFailure, settings_of
+from .engine.compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
+from .engine.exchange import Exchange
+from .engine.identity import next_ordinal
+from .engine.groups import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_keyword_booleans, check_loaded_groups,
                      check_settings, dtype_name, fill_group_defaults, validate_group)
+from .engine.layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
+from .engine.offload import accelerator
+from .engine.overlap import OverlapSettings, Wave
+from .engine.pieces import WavePieces
+from .engine.planner import STRATEGIES, CostModel
+from .engine.state_check import check_loaded_state, check_state
+from .engine.summary import Summary, log_first_step, summarize
+from .engine.tag_keys import restore_tags
+from .engine.team import TeamGroups
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
-from .layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
-from .offload import accelerator
-from .overlap import OverlapSettings, Wave
-from .pieces import WavePieces
-from .state_check import check_loaded_state, check_state
-from .summary import Summary, log_first_step, summarize
-from .tags import restore_tags
-from .team import TeamGroups
-from .planner import STRATEGIES, CostModel
 
 MODES = ("sharded", "duplicated")
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
@@ -63,7 +63,7 @@ NONFINITE = ("raise", "skip")
 class _Job(NamedTuple):
     """One wave's exchange and what the step needs to run it."""
 
-    key: tuple  # the compiled exchanges it belongs to (see ds_muon.compile.exchange_key)
+    key: tuple  # the compiled exchanges it belongs to (see ds_muon.engine.compile.exchange_key)
     layout: Layout
     exchange: Exchange
     ns_of: Dict[Hashable, NSSettings]  # per stack of same-shape matrices at this rank
@@ -86,11 +86,11 @@ class Muon(Optimizer):
     ``adapter`` describes where each tensor's shards live (default: picked per tensor
     for no wrapper/DDP, FSDP1 and FSDP2; see :mod:`ds_muon.integrations`); DeepSpeed's
     is attached after ``deepspeed.initialize`` (:meth:`attach`).
-    ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.planner`): ``"auto"`` (default)
+    ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.engine.planner`): ``"auto"`` (default)
     gives replicated matrices (DDP, HSDP replica groups) extra homes where the cost model says
     running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise;
     with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
-    ranks, each orthogonalizing a column block (:mod:`~ds_muon.team`; not bitwise equal to one
+    ranks, each orthogonalizing a column block (:mod:`~ds_muon.engine.team`; not bitwise equal to one
     process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
@@ -147,7 +147,7 @@ class Muon(Optimizer):
         self.model = model
         self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
-        self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.team)
+        self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.engine.team)
         self.cost_model = cost_model  # None: CostModel.for_device of where NS runs (planning_cost_model)
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
@@ -163,7 +163,7 @@ class Muon(Optimizer):
             extra_scale_factor=extra_scale_factor, use_muon=True,
         )
         super().__init__(params, defaults)
-        self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.identity)
+        self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.engine.identity)
 
     def _reset_runtime(self) -> None:
         """Caches and hooks, all rebuilt lazily: bindings, layouts, compiled exchanges, and
@@ -202,7 +202,7 @@ class Muon(Optimizer):
 
     @property
     def apply_in_forward(self) -> bool:
-        """Updates may wait for the next forward (opt-in; see :mod:`ds_muon.overlap.forward`)."""
+        """Updates may wait for the next forward (opt-in; see :mod:`ds_muon.engine.overlap.forward`)."""
         return self.overlap_settings.apply_in_forward
 
     # -- copies, pickling and loading --------------------------------------------
@@ -347,7 +347,7 @@ class Muon(Optimizer):
 
     def attach(self, adapter: StackAdapter) -> None:
         """Describe the tensors with ``adapter`` from now on: for a stack that exists only
-        after the optimizer (DeepSpeed, through ``ds_muon.integrations.deepspeed.bind``).
+        after the optimizer (DeepSpeed, through ``ds_muon.deepspeed.bind``).
         Plans in the adapter's data-parallel group when no ``process_group`` was given."""
         self.adapter, self._adapter_chosen = adapter, True
         if self.process_group is None:
@@ -404,7 +404,7 @@ class Muon(Optimizer):
 
     def _stages(self, loss, failed=None):
         """The stages of :meth:`step`, in order (see the module docstring); ``failed``: this
-        rank's failed local check (:class:`~ds_muon.agreement.LocalFailure`), raised in stage 1."""
+        rank's failed local check (:class:`~ds_muon.engine.agreement.LocalFailure`), raised in stage 1."""
         active = self._check(failed)  # 1. which tensors step, agreed by every rank
         if active is None:
             return loss
@@ -472,7 +472,7 @@ class Muon(Optimizer):
 
     def _check_gradients(self, failed=None) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes
-        (:class:`~ds_muon.agreement.Agreement`).  Returns None when the step is skipped."""
+        (:class:`~ds_muon.engine.agreement.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._step_group()
         verdict = self._agreement.check(items, self._name, group, world,
@@ -497,7 +497,7 @@ class Muon(Optimizer):
             return
         st = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        kernel = getattr(self, "adamw_kernel", None) or functional_adamw  # opt-in: ds_muon.cpu_adam
+        kernel = getattr(self, "adamw_kernel", None) or functional_adamw  # opt-in: ds_muon.integrations.deepspeed_cpu_adam
         kernel(
             [local_shard(p) for p in params], [local_shard(p.grad) for p in params], [local_shard(s["exp_avg"]) for s in st],
             [local_shard(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
@@ -571,7 +571,7 @@ class Muon(Optimizer):
         return work
 
     def _plan(self, work) -> List[_Job]:
-        """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.compile`),
+        """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.engine.compile`),
         planned on first use and cached (a few sets of active matrices per layout) while the
         layout and NS settings stay."""
         jobs = []
@@ -600,7 +600,7 @@ class Muon(Optimizer):
     def _batches(self, jobs: List[_Job]) -> List[List[_Job]]:
         """Stages 5-7 run on all waves together (every gather issued before any NS), or, when no
         wave moves anything (one process) and none left from backward, on one wave after another:
-        then one wave's transients live at a time (waves of bounded memory: ds_muon.budget)."""
+        then one wave's transients live at a time (waves of bounded memory: ds_muon.engine.budget)."""
         if self._dispatch is None and not any(j.exchange.gather_traffic or j.exchange.scatter_traffic for j in jobs):
             return [[j] for j in jobs]
         return [jobs]
@@ -648,7 +648,7 @@ class Muon(Optimizer):
 
     def _wave_inputs(self, layout: Layout, ex: Exchange, commit: bool = True):
         """This rank's pieces of one wave's Muon inputs: weight decay (L2), momentum, Nesterov,
-        for all pieces of a param group at once (:func:`~ds_muon.update.ns_input`).
+        for all pieces of a param group at once (:func:`~ds_muon.rules.update.ns_input`).
 
         With ``commit=False`` (a dispatch from backward) the momentum buffers are left
         alone and ``(buffer slice, new value)`` pairs are returned for :meth:`step` to
@@ -658,7 +658,7 @@ class Muon(Optimizer):
                                                   bound_in=self._step_token if commit else None)
 
     def _pieces_of(self, layout: Layout, ex: Exchange) -> WavePieces:
-        """The wave's pieces with their views (:class:`~ds_muon.pieces.WavePieces`), made once per
+        """The wave's pieces with their views (:class:`~ds_muon.engine.pieces.WavePieces`), made once per
         wave while the param groups keep their members."""
         members = tuple((id(g), len(g["params"])) for g in self.param_groups)
         if members != self._pieces_members:
@@ -752,7 +752,7 @@ class Muon(Optimizer):
         Before the first step of a multi-rank run, binding the tensors is a collective: pass
         ``all_ranks=True`` and call it on every rank then.  Without it, this raises RuntimeError at
         once on the calling rank (one rank alone in a collective would hang or abort the others)
-        (see :mod:`ds_muon.summary`)."""
+        (see :mod:`ds_muon.engine.summary`)."""
         check_boolean(all_ranks, "all_ranks")
         if not all_ranks and self._binding_is_collective():
             raise RuntimeError(

@@ -1,5 +1,5 @@
 """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group, by the rules of
-:mod:`ds_muon.selection` (hidden weight matrices take Muon, everything else AdamW).
+:mod:`ds_muon.models.selection` (hidden weight matrices take Muon, everything else AdamW).
 
 Also tags what a module declares (split row blocks, ``[in, out]`` storage, fused
 expert stacks) and refuses models whose shapes a stack has hidden.
@@ -12,13 +12,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
+from .engine.layout import global_shape
+from .engine.tag_keys import EXPERTS, is_tagged, shape_tags
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
-from .layout import global_shape
+from .models.experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
 from .models.fused import apply_fused_plan
 from .models.kinds import CONV, HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
-from .selection import HEAD_NAMES, split_params, stores_in_out
-from .tags import EXPERTS, expert_weight, is_tagged, shape_tags, split_rows, transposed
+from .models.selection import HEAD_NAMES, split_params, stores_in_out
+from .models.tags import expert_weight, split_rows, transposed
 
 
 def muon_param_groups(
@@ -54,7 +55,7 @@ def muon_param_groups(
     ``exclude`` / ``include``: names or glob patterns (``"*.A_log"``) of tensors sent to AdamW /
     Muon whatever the rules say, applied after them and shown in ``summary()``.
 
-    MoE (:mod:`ds_muon.experts`): fused expert stacks are one matrix per expert, ``gate_up_proj``
+    MoE (:mod:`ds_muon.models.experts`): fused expert stacks are one matrix per expert, ``gate_up_proj``
     split into gate and up; expert biases take AdamW; routers (a ``*Router``, a Linear whose outputs
     equal the config's expert count) take AdamW unless ``routers="muon"``.
 

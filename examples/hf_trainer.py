@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ds_muon.scaling import get_muon_scale_factor  # noqa: E402
+from ds_muon.rules.scaling import get_muon_scale_factor  # noqa: E402
 from gpt import split, stdlib_bytes  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def muon_scale_factors(model, groups, shapes):
     """The factor Muon applies to each matrix of the groups (what ``Muon`` computes), from the whole
     ``(rows, cols)`` by name and the model's own tensors' tags (the groups may hold shards or
     DeepSpeed's flat partitions)."""
-    from ds_muon.tags import is_transposed
+    from ds_muon.engine.tag_keys import is_transposed
 
     params = dict(model.named_parameters())
     out = {}

@@ -2,7 +2,7 @@
 
 One spawn per world size (DeepSpeed engines are slow to build): W=2 trains ds_muon at ZeRO-1/2/3 (and
 DeepSpeed's own ``"type": "muon"`` at ZeRO-2) and saves; the parent converts every checkpoint to
-DeepSpeed's universal layout (:func:`ds_muon.universal.zero_to_universal`); W=1 and W=3 load them with
+DeepSpeed's universal layout (:func:`ds_muon.integrations.deepspeed_universal.zero_to_universal`); W=1 and W=3 load them with
 ``"load_universal": true``.  Every Muon momentum and AdamW moment is ``torch.equal`` to the saved run's
 after loading at every W, and the next step equals the continuing W=2 run's: bitwise at W=1, and at W=3
 within 1e-6 relative (DeepSpeed averages three equal gradients as (g/3)·3, which rounds; at W=1 and 2
@@ -48,7 +48,7 @@ def _by_address(p, key, engine):
     """A ZeRO-1/2 tensor's whole state read from the flat partitions through its ``_hp_mapping`` addresses.
     DeepSpeed's own "type": "muon" links its per-tensor views of the state after its first group's step, before
     its AdamW group has state, so ``safe_get_full_optimizer_state`` fails there (ds_muon engines relink:
-    ds_muon.ds_checkpoint.relink_state_fragments)."""
+    ds_muon.integrations.deepspeed_checkpoint.relink_state_fragments)."""
     import torch.distributed as dist
 
     zero = engine.optimizer
@@ -201,7 +201,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def universal(saved):
-    from ds_muon.universal import zero_to_universal
+    from ds_muon.integrations.deepspeed_universal import zero_to_universal
 
     root, _ = saved
     # DeepSpeed 0.19.8's own converter stops at the Muon group's state (deepspeed#8608): why ds_muon has its own

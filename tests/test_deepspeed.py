@@ -262,7 +262,7 @@ def test_checkpoint_resume_bitwise(stage, bf16, tmp_path):
 def _direct_worker(rank, world, stage, do_bind):
     import deepspeed
 
-    from ds_muon.integrations.deepspeed import bind
+    from ds_muon.deepspeed import bind
 
     model = make_model()
     params = dict(PARAMS, ns_dtype="float32")
@@ -422,7 +422,7 @@ def _refused_by_bind_worker(rank, world):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from ds_muon.integrations.deepspeed import bind
+    from ds_muon.deepspeed import bind
 
     # CPU torch computes in fp16; only DeepSpeed's capability check says no on CPUs without avx512_fp16
     get_accelerator().is_fp16_supported = lambda: True

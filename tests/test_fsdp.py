@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.integrations.fsdp import fsdp_param_groups
+from ds_muon.fsdp import fsdp_param_groups
 
 import dist_harness
 from models import Block, batches, lm_loss, make_gpt

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ds_muon
-from ds_muon.newton_schulz import KELLER, QUINTIC, resolve_coefficients
+from ds_muon.rules.newton_schulz import KELLER, QUINTIC, resolve_coefficients
 
 import dist_harness
 
@@ -113,7 +113,7 @@ def _deepspeed_fp16_gram_error(G):
 
 
 def test_gram_matches_standard_iteration():
-    from ds_muon.newton_schulz import use_gram
+    from ds_muon.rules.newton_schulz import use_gram
 
     g = torch.Generator().manual_seed(4)
     for shape in [(64, 256), (256, 48)]:
@@ -149,7 +149,7 @@ def test_fp16_iteration_normalises_before_the_cast():
 
 
 def test_gram_restart_keeps_polar_express_accurate_in_bf16(monkeypatch):
-    from ds_muon.newton_schulz import _gram_iteration
+    from ds_muon.rules.newton_schulz import _gram_iteration
 
     G = torch.randn(128, 512, generator=torch.Generator().manual_seed(5))
     coeffs, scale = resolve_coefficients("polar_express", 8)
@@ -158,7 +158,7 @@ def test_gram_restart_keeps_polar_express_accurate_in_bf16(monkeypatch):
     X = (X / (X.norm() * scale))[None]
     err = lambda out: ((out[0].double() - ref).norm() / ref.norm()).item()  # noqa: E731
     restarted = err(_gram_iteration(X, coeffs))  # bf16: a restart every two steps
-    ns_module = importlib.import_module("ds_muon.newton_schulz")  # the package exports the function of that name
+    ns_module = importlib.import_module("ds_muon.rules.newton_schulz")  # the package exports the function of that name
     monkeypatch.setattr(ns_module, "_restart_interval", lambda dtype, steps: steps)
     straight = err(_gram_iteration(X, coeffs))
     assert restarted < 0.8 * straight, (restarted, straight)
@@ -167,7 +167,7 @@ def test_gram_restart_keeps_polar_express_accurate_in_bf16(monkeypatch):
 # -- ns_method="auto" --------------------------------------------------------------------------------
 
 def test_auto_picks_gram_only_where_it_saves_flops_and_rounds_no_worse():
-    from ds_muon.newton_schulz import resolve_method
+    from ds_muon.rules.newton_schulz import resolve_method
 
     for device in ("cpu", "cuda"):
         for dtype in (torch.float32, torch.float16):  # Gram rounds up to 2x worse in these (ns_accuracy.py)
@@ -186,7 +186,7 @@ def test_auto_picks_gram_only_where_it_saves_flops_and_rounds_no_worse():
 def test_auto_gram_in_bf16_returns_bf16_and_rounds_better(monkeypatch):
     """Where auto picks Gram for bf16 (a GPU), it iterates in fp16 and hands back bf16, so a group's
     stacks share one dtype; the CPU stands in for the GPU here."""
-    ns_module = importlib.import_module("ds_muon.newton_schulz")
+    ns_module = importlib.import_module("ds_muon.rules.newton_schulz")
     resolve = ns_module.resolve_method
     monkeypatch.setattr(ns_module, "resolve_method", lambda m, r, c, s, d, dev: resolve(m, r, c, s, d, "cuda"))
     G = torch.randn(64, 256, generator=torch.Generator().manual_seed(9))
@@ -266,7 +266,7 @@ def test_compile_trains_and_sharded_equals_single_process():
     for c, e in zip(compiled, eager):  # not bitwise equal to eager (docs/PERFORMANCE.md), but the same step
         assert torch.isfinite(c).all()
         assert ((c - e).norm() / e.norm()) < 1e-2, ((c - e).norm() / e.norm())
-    from ds_muon.newton_schulz import compiled_newton_schulz
+    from ds_muon.rules.newton_schulz import compiled_newton_schulz
 
     with dist_harness.one_thread():  # one graph per shape whatever the stack size, so homes get the same bits
         for shape in [(3, 16, 24), (3, 24, 16)]:

@@ -1,4 +1,4 @@
-"""The kernel forms Newton–Schulz runs (ds_muon.ns_kernels): same bits whichever is chosen, a
+"""The kernel forms Newton–Schulz runs (ds_muon.rules.ns_kernels): same bits whichever is chosen, a
 matrix's result independent of its batch neighbours, choices agreed on every rank, and
 coefficient triples with c = 0 right in 16-bit dtypes."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ds_muon
-from ds_muon import ns_kernels
-from ds_muon.newton_schulz import resolve_coefficients
+from ds_muon.rules import ns_kernels
+from ds_muon.rules.newton_schulz import resolve_coefficients
 
 import dist_harness
 from test_newton_schulz import ns_float64
@@ -173,7 +173,7 @@ def check_kernels_agreed(results):
         assert msg is not None and unchanged, msg
         assert msg.startswith("ds_muon: optimizer settings differ between ranks: ns_kernels is ")
         assert "'apply', True, 'small'), 'per_matrix')" in msg and "on rank 1" in msg
-        assert "ds_muon.ns_kernels.pin() alike on every rank" in msg
+        assert "ds_muon.rules.ns_kernels.pin() alike on every rank" in msg
         assert out["after"][0] is None  # steps: the ranks run the same kernels
     assert results[0]["calibrated"] == results[1]["calibrated"]
     assert torch.equal(results[0]["after"][1][0], results[1]["after"][1][0])

@@ -399,7 +399,7 @@ def _prefetch_model(kind, world):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from ds_muon.integrations.fsdp import fsdp_param_groups
+    from ds_muon.fsdp import fsdp_param_groups
 
     orig = kind == "fsdp1_orig"
     groups = ds_muon.muon_param_groups(model, adam_lr=1e-2) if orig else None

@@ -311,7 +311,7 @@ def universal(root, front_door: str, stage: int) -> None:
     ``global_stepN_universal`` (with ``latest_universal``, which the Trainer's untagged load reads)."""
     import shutil
 
-    from ds_muon.universal import zero_to_universal
+    from ds_muon.integrations.deepspeed_universal import zero_to_universal
 
     if front_door == "accelerate":
         src, dst = os.path.join(root, f"acc_zero{stage}"), os.path.join(root, f"acc_zero{stage}_universal")

@@ -22,9 +22,9 @@ from torch import nn
 
 import ds_muon
 from ds_muon.integrations.local import bind_replicated
-from ds_muon.layout import ParamBinding
-from ds_muon.slots import block_slots
-from ds_muon.tags import EXPERTS
+from ds_muon.engine.layout import ParamBinding
+from ds_muon.engine.slots import block_slots
+from ds_muon.engine.tag_keys import EXPERTS
 
 import dist_harness
 from models import HandAdapter
@@ -463,7 +463,7 @@ def _ds_moe_worker(rank, world):
     cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0,
            "optimizer": {"type": "DsMuon", "params": {"lr": 0.02, "adam_lr": 3e-3}}}
     engine, _, _, _ = ds_muon_deepspeed.initialize(model=Model(), config=cfg)
-    muon = ds_muon.integrations.deepspeed._find_muon(engine)
+    muon = ds_muon.find_muon(engine)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 16, (4, 8), generator=g)
     y = (3 * x + 1) % 16

@@ -1,9 +1,9 @@
-"""``Muon.summary()`` (ds_muon/summary.py) tells what the optimizer actually does.
+"""``Muon.summary()`` (ds_muon/engine/summary.py) tells what the optimizer actually does.
 
 Each column is checked against the optimizer's own state, not against the summary's
 own arithmetic: Muon/AdamW against the param groups, reasons against the model's
 modules, matrix keys and shapes against the bound layouts, scale factors against
-:func:`ds_muon.update.apply_coefficients` (what the step applies), home ranks and bytes
+:func:`ds_muon.rules.update.apply_coefficients` (what the step applies), home ranks and bytes
 against the exchanges a sharded FSDP2 step compiled on each rank.
 """
 
@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 import ds_muon
-from ds_muon.layout import matrix_shape
-from ds_muon.newton_schulz import ns_flops
-from ds_muon.planner import CostModel
-from ds_muon.tags import is_transposed
-from ds_muon.update import apply_coefficients
+from ds_muon.engine.layout import matrix_shape
+from ds_muon.rules.newton_schulz import ns_flops
+from ds_muon.engine.planner import CostModel
+from ds_muon.engine.tag_keys import is_transposed
+from ds_muon.rules.update import apply_coefficients
 
 import dist_harness
 from hf_models import hf_batches, hf_loss, tiny_gpt2, tiny_llama, tiny_qwen2_moe
@@ -64,7 +64,7 @@ def _check_against_optimizer(opt, s):
 
 
 def _expected_reason(model, name):
-    """The reason read from the model's modules (independently of ds_muon.selection)."""
+    """The reason read from the model's modules (independently of ds_muon.models.selection)."""
     module_name, _, pname = name.rpartition(".")
     mod = model.get_submodule(module_name)
     p = mod.get_parameter(pname)
@@ -162,8 +162,9 @@ def test_hand_built_groups_say_user_group():
 
 
 def test_saved_summary_feeds_ds_muon_plan(tmp_path, capsys):
-    from ds_muon import cli, costs
-    from ds_muon.summary import Summary
+    from ds_muon import cli
+    from ds_muon.engine import costs
+    from ds_muon.engine.summary import Summary
 
     s = ds_muon.Muon(ds_muon.muon_param_groups(tiny_llama(), lr=LR)).summary()
     s.save(tmp_path / "run.json")
@@ -455,7 +456,7 @@ def test_hsdp_summary_and_its_plan_table_are_the_optimizers_plan(tmp_path):
     mean = sum(x["ns_flops"] for x in ranks) / 4
     assert plan["ns_max_over_mean"] == round(max(x["ns_flops"] for x in ranks) / mean, 4)
     # saved and loaded (ds-muon plan --summary): the same table
-    from ds_muon.summary import Summary
+    from ds_muon.engine.summary import Summary
     from test_mesh_plan import INTER_EXPENSIVE
 
     path = tmp_path / "hsdp.json"

@@ -1,9 +1,10 @@
-"""The package's internal import graph and its cycles: ``python tools/import_graph.py``.
+"""The package's internal import graph, its cycles and its layering: ``python tools/import_graph.py``.
 
 Reads ``ds_muon/`` with :mod:`ast` (nothing is imported), counts imports made at module
 level and inside functions alike (a lazy import that closes a cycle is still a cycle),
-and prints one line per module with what it imports, then every cycle found, then the
-line count of each module.
+and prints one line per module with what it imports, then every cycle found, then every
+import that crosses the layers the wrong way (:data:`MAY_IMPORT`) and every module outside
+a role's package, then the line count of each module.  Exit status 1 when any of those is found.
 """
 
 from __future__ import annotations
@@ -14,6 +15,37 @@ import sys
 from typing import Dict, List, Set
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ds_muon")
+
+# The roles, bottom up.  A module's role is its package; the top level holds the front doors only.
+FRONT_DOORS = {"ds_muon", "ds_muon.optimizer", "ds_muon.param_groups", "ds_muon.deepspeed", "ds_muon.accelerate",
+               "ds_muon.trainer", "ds_muon.cli", "ds_muon.convert", "ds_muon.unwrap", "ds_muon.fsdp"}
+MAY_IMPORT = {
+    "rules": {"rules"},  # the maths: pure functions of tensors
+    "engine": {"engine", "rules"},  # where matrices live, the plan, the exchange, the agreement
+    "models": {"models", "engine"},  # what each tensor of a model is
+    "integrations": {"integrations", "engine", "models"},  # one file per stack, describing where pieces live
+    "front doors": {"front doors", "integrations", "models", "engine", "rules"},
+}
+
+
+def role_of(module: str):
+    """The role of a module: its package under ``ds_muon`` (None: a top-level module that is no front door)."""
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in MAY_IMPORT:
+        return parts[1]
+    return "front doors" if module in FRONT_DOORS else None
+
+
+def layering(graph: Dict[str, Set[str]]):
+    """(violations, homeless): imports against :data:`MAY_IMPORT`, and modules outside any role's package."""
+    violations, homeless = [], sorted(m for m in graph if role_of(m) is None)
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            if d == "ds_muon" and m != "ds_muon":
+                violations.append((m, d))
+            elif role_of(m) and role_of(d) and role_of(d) not in MAY_IMPORT[role_of(m)]:
+                violations.append((m, d))
+    return violations, homeless
 
 
 def modules() -> Dict[str, str]:
@@ -75,10 +107,17 @@ def main() -> int:
     print(f"\ncycles: {len(found)}")
     for c in found:
         print("  " + " -> ".join(c))
+    violations, homeless = layering(graph)
+    print(f"\nlayering violations: {len(violations)}")
+    for m, d in violations:
+        print(f"  {m} ({role_of(m)}) -> {d} ({role_of(d)})")
+    print(f"\noutside a role's package: {len(homeless)}")
+    for m in homeless:
+        print(f"  {m}")
     print("\nlines:")
     for m, p in sorted(mods.items(), key=lambda kv: -sum(1 for _ in open(kv[1]))):
         print(f"  {sum(1 for _ in open(p)):5d}  {m}")
-    return 0
+    return 1 if found or violations or homeless else 0
 
 
 if __name__ == "__main__":

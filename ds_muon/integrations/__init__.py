@@ -1,17 +1,19 @@
 """One adapter per training stack; each only *describes* where shards live.
 
 An adapter (:class:`~ds_muon.integrations.base.StackAdapter`) maps one tensor the
-optimizer steps to a :class:`~ds_muon.layout.ParamBinding`:
+optimizer steps to a :class:`~ds_muon.engine.layout.ParamBinding`:
 
 * :mod:`.local` — no wrapper or DDP (every rank holds every matrix), and
   tensor-parallel shards;
 * :mod:`.fsdp1` — ``FullyShardedDataParallel`` flat parameters and the original
   tensors in them; :mod:`.fsdp2` — ``fully_shard`` DTensors;
-* :mod:`.deepspeed` — ZeRO's flat fp32 partitions, attached after
-  ``deepspeed.initialize`` by :func:`~ds_muon.integrations.deepspeed.bind`;
+* :mod:`.deepspeed` — ZeRO's flat fp32 partitions (attached after
+  ``deepspeed.initialize`` by the front door :func:`ds_muon.deepspeed.bind`), with
+  :mod:`.deepspeed_checkpoint` (checkpoints refused before anything loads),
+  :mod:`.deepspeed_universal` (DeepSpeed's universal layout over every state key) and
+  :mod:`.deepspeed_cpu_adam` (DeepSpeed's CPU Adam for offloaded AdamW);
 * :mod:`.moe` — expert data-parallel domains (tags every adapter reads).
 
 :class:`~ds_muon.integrations.default.DefaultAdapter`, which a ``Muon`` uses unless
-given another, picks local, FSDP1 or FSDP2 per tensor.  :mod:`.fsdp` is the FSDP
-front door (param groups for a wrapped model).
+given another, picks local, FSDP1 or FSDP2 per tensor.  A new stack is one file here.
 """

@@ -4,7 +4,7 @@ DeepSpeed wraps the client optimizer and replaces the tensors in its
 ``param_groups`` with flat fp32 partitions (one per param group, or per ZeRO-3
 sub-group) before calling ``step()``.  :func:`bind` attaches a :class:`DeepSpeedAdapter` to the
 :class:`~ds_muon.Muon` inside an engine; it maps each such partition to a
-:class:`~ds_muon.layout.ParamBinding`:
+:class:`~ds_muon.engine.layout.ParamBinding`:
 
 * ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: every
   low-precision parameter of the group carries ``_hp_mapping`` (None when the
@@ -22,10 +22,10 @@ sub-group) before calling ``step()``.  :func:`bind` attaches a :class:`DeepSpeed
 With ``offload_optimizer: {device: cpu}`` the same partitions (and their ``.grad``) live in
 host memory and DeepSpeed still steps them through the client optimizer: the metadata read
 is the same, and the adapter's ``offload`` tells the engine that the NS work should move to
-the accelerator (:mod:`ds_muon.offload`).  NVMe and partial offload are refused.
+the accelerator (:mod:`ds_muon.engine.offload`).  NVMe and partial offload are refused.
 
 Nothing here computes offsets of its own: a misdescribed partition would fail
-in :func:`~ds_muon.layout.build_layout`, not corrupt the update.  DeepSpeed copies
+in :func:`~ds_muon.engine.layout.build_layout`, not corrupt the update.  DeepSpeed copies
 the partitions into the model's parameters right after ``step()``, so results are
 applied inside it (``applies_in_step``) and no gradient is final before DeepSpeed's
 own reduction.
@@ -37,14 +37,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..layout import MatrixSlot, ParamBinding, Piece
-from ..slots import block_slots
-from ..tags import TENSOR_PARALLEL, is_tagged, is_transposed
-from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
+from ..engine.layout import MatrixSlot, ParamBinding, Piece
+from ..engine.slots import block_slots
+from ..engine.tag_keys import TENSOR_PARALLEL, is_tagged, is_transposed
+from .base import HOW_TO_BIND, BindContext
 from .local import bind_replicated
-from .moe import tag_deepspeed_moe
 
-__all__ = ["DeepSpeedAdapter", "bind", "check_supported_config", "allow_client_optimizer_offload", "check_no_deepspeed_muon_tags", "HOW_TO_BIND"]
+__all__ = ["DeepSpeedAdapter", "check_supported_config", "allow_client_optimizer_offload", "check_no_deepspeed_muon_tags", "HOW_TO_BIND"]
 
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -271,16 +270,6 @@ def _dp_group(engine):
     return None
 
 
-def _find_muon(engine):
-    from ..optimizer import Muon
-
-    for candidate in (getattr(engine, "basic_optimizer", None), getattr(engine, "optimizer", None),
-                      getattr(getattr(engine, "optimizer", None), "optimizer", None)):
-        if isinstance(candidate, Muon):
-            return candidate
-    return None
-
-
 def check_no_deepspeed_muon_tags(params, names: Optional[Dict] = None) -> None:
     """DeepSpeed's ZeRO-1/2 runs *its own* Muon inside the gradient reduction for any
     parameter tagged ``use_muon=True`` when the optimizer's class name contains "muon"
@@ -293,30 +282,3 @@ def check_no_deepspeed_muon_tags(params, names: Optional[Dict] = None) -> None:
             "attribute (set by a config with \"type\": \"muon\" or by hand). DeepSpeed's ZeRO-1/2 would then run "
             "its built-in Muon inside the gradient reduction on top of ds_muon. Use \"type\": \"DsMuon\" and "
             "remove the attribute (del p.use_muon) on every parameter")
-
-
-def bind(engine, optimizer=None):
-    """Attach a :class:`DeepSpeedAdapter` to the ``ds_muon.Muon`` inside ``engine``; returns the Muon.
-
-    Call once, after ``deepspeed.initialize`` (``ds_muon.deepspeed.initialize`` does it
-    for you).  ``engine`` is the DeepSpeedEngine (with accelerate: the prepared model).
-    """
-    muon = optimizer if optimizer is not None else _find_muon(engine)
-    if muon is None:
-        raise ValueError(
-            f"ds_muon: {type(engine).__name__} holds no ds_muon.Muon (its optimizer is "
-            f"{type(getattr(engine, 'optimizer', None)).__name__}); pass the DeepSpeed engine that was built "
-            "with a ds_muon.Muon")
-    if not hasattr(engine, "optimizer"):
-        raise ValueError(f"ds_muon: bind() needs the DeepSpeed engine, got {type(engine).__name__}")
-    names = dict(getattr(engine, "param_names", None) or {})
-    check_no_deepspeed_muon_tags(list(engine.module.parameters()), names)
-    tag_deepspeed_moe(engine.module)  # expert parameters: their expert data-parallel domain
-    adapter = DeepSpeedAdapter(engine, wrapped=engine.optimizer is not muon)
-    for t in adapter.flat_partitions():
-        setattr(t, FLAT_PARTITION, True)  # 1-D flat partitions that hold matrices
-    muon.attach(adapter)
-    from ..ds_checkpoint import guard_loads
-
-    guard_loads(engine, muon)  # checkpoints whose groups differ are refused before anything loads
-    return muon

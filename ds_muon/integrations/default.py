@@ -6,7 +6,7 @@ a DTensor is FSDP2's, a ``FlatParameter`` (or a tensor FSDP1 flattened into one)
 FSDP1's, anything else is held whole or is a tensor-parallel shard
 (:class:`~ds_muon.integrations.local.LocalAdapter`).  DeepSpeed replaces the
 tensors with flat partitions only it can describe: it needs
-``ds_muon.integrations.deepspeed.bind(engine)``, and a 1-D tensor in a Muon group
+``ds_muon.deepspeed.bind(engine)``, and a 1-D tensor in a Muon group
 that no stack flattened is refused here rather than orthogonalized as a vector.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import ParamBinding, global_shape
-from ..tags import TENSOR_PARALLEL
+from ..engine.layout import ParamBinding, global_shape
+from ..engine.tag_keys import TENSOR_PARALLEL
 from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .fsdp1 import Fsdp1Adapter, is_flattened_by_fsdp1
 from .fsdp2 import Fsdp2Adapter, is_dtensor
@@ -61,7 +61,7 @@ def default_adapter() -> DefaultAdapter:
 
 def _holds_flat_matrices(p: torch.Tensor) -> bool:
     """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions).
-    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`~ds_muon.layout.global_shape`)."""
+    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`~ds_muon.engine.layout.global_shape`)."""
     return hasattr(p, "_fqns") or getattr(p, FLAT_PARTITION, False) or getattr(p, "_fsdp_flattened", False)
 
 

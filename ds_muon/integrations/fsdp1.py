@@ -3,7 +3,7 @@
 ``use_orig_params=False``
     The optimizer steps 1-D ``FlatParameter`` shards (padded) that mix weights,
     biases and norms.  ``_shard_param_infos`` says where each original tensor's
-    slice sits; the :mod:`~ds_muon.selection` rules pick Muon or AdamW per
+    slice sits; the :mod:`~ds_muon.models.selection` rules pick Muon or AdamW per
     original tensor (with the param group's ``head_names`` and ``routers``); the
     AdamW slices become the binding's ``adam_ranges``.
 
@@ -25,11 +25,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
-from ..layout import MatrixSlot, ParamBinding, Piece
-from ..selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, param_reasons, stores_in_out
-from ..slots import block_slots
-from ..tags import is_tagged, is_transposed, transposed
+from ..engine.layout import MatrixSlot, ParamBinding, Piece
+from ..engine.slots import block_slots
+from ..engine.tag_keys import is_tagged, is_transposed
+from ..models.experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
+from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, param_reasons, stores_in_out
+from ..models.tags import transposed
 from .base import BindContext
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
@@ -129,7 +130,7 @@ def is_flattened_by_fsdp1(param) -> bool:
 
 
 def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
-    """The :func:`~ds_muon.selection.split_params` rule for original tensor ``i`` of a FlatParameter.
+    """The :func:`~ds_muon.models.selection.split_params` rule for original tensor ``i`` of a FlatParameter.
 
     A tensor shared by several modules (tied weights) takes Muon only if every
     module that uses it would give it Muon (a weight tied to an embedding is AdamW).
@@ -138,7 +139,7 @@ def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, route
 
 
 def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
-    """Why original tensor ``i`` of a FlatParameter takes Muon or AdamW (:func:`~ds_muon.selection.param_reason`;
+    """Why original tensor ``i`` of a FlatParameter takes Muon or AdamW (:func:`~ds_muon.models.selection.param_reason`;
     a tied tensor: the first AdamW reason of the modules that share it)."""
     info = flat._param_infos[i]
     shape = tuple(flat._shapes[i])
@@ -247,7 +248,7 @@ def bind_fsdp1_orig(param, name: str, flat, i: int, group=None) -> ParamBinding:
     if len(shape) < 2:
         raise ValueError(
             f"ds_muon: {name} (original shape {shape}) is in a Muon group; Muon needs matrices. Build groups "
-            "with ds_muon.integrations.fsdp.fsdp_param_groups(fsdp_model), or with "
+            "with ds_muon.fsdp.fsdp_param_groups(fsdp_model), or with "
             "ds_muon.muon_param_groups(model) before wrapping"
         )
     piece, _ = _shard_piece(flat, i, name)

@@ -1,6 +1,6 @@
 """No wrapper, or DDP: every rank holds every matrix whole; and tensor-parallel shards.
 
-:class:`LocalAdapter` describes both.  A :func:`~ds_muon.tags.tensor_parallel` shard
+:class:`LocalAdapter` describes both.  A :func:`~ds_muon.models.tags.tensor_parallel` shard
 is a plain tensor holding a row range or column block of the global weight.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..layout import MatrixSlot, ParamBinding, Piece
-from ..slots import block_slots, tp_slots
-from ..tags import TENSOR_PARALLEL, domain_of, is_tagged, is_transposed
+from ..engine.layout import MatrixSlot, ParamBinding, Piece
+from ..engine.slots import block_slots, tp_slots
+from ..engine.tag_keys import TENSOR_PARALLEL, domain_of, is_tagged, is_transposed
 from .base import BindContext, single_process
 
 
@@ -34,7 +34,7 @@ def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
     """Each rank of ``group`` holds the full tensor, ``[0, numel)`` of its flattening.
 
     A :func:`~ds_muon.domain` tag replaces ``group``; split-row and expert tags make
-    one slot per logical matrix (see :mod:`ds_muon.slots`).
+    one slot per logical matrix (see :mod:`ds_muon.engine.slots`).
     """
     group = domain_of(param, group)
     if getattr(param, TENSOR_PARALLEL, None) is not None:

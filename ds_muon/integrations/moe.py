@@ -12,7 +12,7 @@ and checks gradient agreement inside each domain.
   ``[E, out, in]`` weights are tagged :func:`ds_muon.expert_weight` (E matrices).
 * DeepSpeed MoE (``deepspeed.moe.layer.MoE``): expert parameters carry
   ``allreduce=False`` and ``group_name``; :func:`tag_deepspeed_moe` maps each to
-  DeepSpeed's expert data-parallel group (``ds_muon.integrations.deepspeed.bind``
+  DeepSpeed's expert data-parallel group (``ds_muon.deepspeed.bind``
   calls it).  For ZeRO, DeepSpeed wants MoE parameters in their own param groups:
   :func:`split_moe_groups` does that to ``muon_param_groups`` output (keeping
   ``param_names`` aligned).
@@ -25,9 +25,9 @@ from typing import Dict, Iterable, List, Union
 import torch
 from torch import nn
 
-from ..experts import tag_fused_experts
-from ..layout import global_shape
-from ..tags import domain, expert_weight
+from ..engine.layout import global_shape
+from ..models.experts import tag_fused_experts
+from ..models.tags import domain, expert_weight
 
 
 def _params(modules_or_params) -> List[torch.Tensor]:

@@ -1,5 +1,13 @@
-"""What each tensor of a model is (:mod:`.kinds`), read from its modules (:mod:`.kinds`), its config
-(:mod:`.config`) and the layout of its fused projections (:mod:`.fused`)."""
+"""What each tensor of a model is, read from its modules, its config and its fused projections.
+
+* :mod:`.kinds` — one decision per tensor (kind, Muon or AdamW, why, its blocks) from module semantics
+  and the model's ends; :mod:`.config` — expert counts and head layouts from the config;
+* :mod:`.fused` — fused projections' blocks (q|k|v, gate|up, interleaved heads), keyed by module class;
+* :mod:`.experts` — fused MoE expert stacks and routers;
+* :mod:`.selection` — the entry point over a model (names only as a fallback);
+* :mod:`.tags` — the tagging functions (``split_rows``, ``tensor_parallel``, ``expert_weight``, ``domain``,
+  ``transposed``, ``fused_blocks``) that say it in the engine's vocabulary (:mod:`ds_muon.engine.tag_keys`).
+"""
 
 from .kinds import KINDS, MUON_KINDS, Decision, Rules, classify
 

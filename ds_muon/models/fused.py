@@ -21,8 +21,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..layout import global_shape
-from ..tags import expert_weight, fused_blocks, split_rows, transposed
+from ..engine.layout import global_shape
+from .tags import expert_weight, fused_blocks, split_rows, transposed
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from ..experts import STACK_NAMES, is_fused_experts, is_router, mark_routers
-from ..layout import global_shape
-from ..tags import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
-from . import config as cfg
+from ..engine.layout import global_shape
+from ..engine.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
+from .experts import STACK_NAMES, is_fused_experts, is_router, mark_routers
 from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
+from . import config as cfg
 
 # -- the closed list of kinds, and the optimizer each takes ---------------------------------
 HIDDEN_LINEAR = "hidden linear"

@@ -104,7 +104,7 @@ def zero_to_universal(input_folder: str, output_folder: str) -> str:
 
         ckpt = DeepSpeedCheckpoint(input_folder)
         if ckpt.tp_degree != 1 or ckpt.pp_degree != 1:
-            raise NotImplementedError(f"ds_muon.universal: {input_folder} has tensor/pipeline parallel degree "
+            raise NotImplementedError(f"ds_muon.integrations.deepspeed_universal: {input_folder} has tensor/pipeline parallel degree "
                                       f"{ckpt.tp_degree}/{ckpt.pp_degree}; use DeepSpeed's ds_to_universal for it")
         for dp in range(ckpt.dp_degree):
             _extract_zero12(ckpt, temp_dir, dp)
@@ -117,7 +117,7 @@ def zero_to_universal(input_folder: str, output_folder: str) -> str:
         model_files = d2u._get_zero3_model_state_files(input_folder)
         grid, tp, dp_degree = d2u._build_zero3_rank_grid(zero3_files)
         if tp != 1:
-            raise NotImplementedError(f"ds_muon.universal: {input_folder} is tensor parallel ({tp}); use DeepSpeed's "
+            raise NotImplementedError(f"ds_muon.integrations.deepspeed_universal: {input_folder} is tensor parallel ({tp}); use DeepSpeed's "
                                       "ds_to_universal for it")
         shapes_by_group = d2u._parse_model_states_stage3(model_files)
         for dp in range(dp_degree):

@@ -11,8 +11,15 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .offload import to_device_of
 from .scaling import get_muon_scale_factor
+
+
+def to_device_of(params: List[torch.Tensor], results: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Results computed on the accelerator for pieces held on the host, copied to the host
+    (one copy each; unchanged when they are already where the pieces are)."""
+    if not results or results[0].device == params[0].device:
+        return results
+    return [r.to(p.device) for p, r in zip(params, results)]
 
 
 def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[torch.Tensor], group: dict,

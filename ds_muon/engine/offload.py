@@ -13,7 +13,7 @@ moves:
 * :func:`run_ns`: NS on a host stack, in chunks of whole matrices: chunk k+1 is copied
   host→device on one stream and chunk k-1 device→host on another while chunk k runs NS,
   through two pinned staging slots each way.  Device scratch memory is bounded by
-  :func:`scratch_bytes` ≤ 256 MiB (``DEFAULT_SCRATCH_BYTES``; set ``ds_muon.offload.SCRATCH_BYTES``
+  :func:`scratch_bytes` ≤ 256 MiB (``DEFAULT_SCRATCH_BYTES``; set ``ds_muon.engine.offload.SCRATCH_BYTES``
   to change it), unless one matrix alone needs more: then chunks hold one matrix.
   Without an accelerator NS runs on whole stacks where they are (nothing to bound); with
   ``SCRATCH_BYTES`` set, the same chunk loop runs on the host and copies nothing.
@@ -137,14 +137,6 @@ def _pipelined(run, stack: torch.Tensor, out_dtype: torch.dtype, device: torch.d
     for c in range(max(0, len(bounds) - 2), len(bounds)):
         drain(c)
     return out
-
-
-def to_device_of(params: List[torch.Tensor], results: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Results computed on the accelerator for pieces held on the host, copied to the host
-    (one copy each; unchanged when they are already where the pieces are)."""
-    if not results or results[0].device == params[0].device:
-        return results
-    return [r.to(p.device) for p, r in zip(params, results)]
 
 
 def host_state(param: torch.Tensor, offload: bool = False) -> bool:

@@ -109,12 +109,12 @@ def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights
     """A universal checkpoint holds every tensor of the engine in its shape and, for the optimizer state,
     groups saved with the same tensor names (DeepSpeed copies each saved group's settings into the group of
     the same index) and a momentum for each Muon tensor."""
-    from .universal import universal_groups
+    from .deepspeed_universal import universal_groups
 
     zero = os.path.join(src, "zero")
     if not os.path.isdir(zero):
         _refuse(src, "it has no zero/ folder, so it is not a universal checkpoint (make one with "
-                     "ds_muon.universal.zero_to_universal)")
+                     "ds_muon.integrations.deepspeed_universal.zero_to_universal)")
     for gi, group in enumerate(ours):
         for name, shape in group:
             f = os.path.join(zero, name, "fp32.pt")
@@ -146,7 +146,7 @@ def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights
 
 def guard_loads(engine, muon) -> None:
     """Wrap ``engine.load_checkpoint`` with :func:`check_checkpoint`; at ZeRO-3 also load universal checkpoints
-    through :func:`ds_muon.universal.load_zero3_universal` (every state key, each group its own settings)."""
+    through :func:`ds_muon.integrations.deepspeed_universal.load_zero3_universal` (every state key, each group its own settings)."""
     if getattr(engine, "_ds_muon_guarded", False):
         return
     original = engine.load_checkpoint
@@ -161,7 +161,7 @@ def guard_loads(engine, muon) -> None:
     zero = engine.optimizer
     relink_state_fragments(zero)
     if engine.zero_optimization_partition_weights() and hasattr(zero, "_load_universal_checkpoint"):
-        from .universal import load_zero3_universal
+        from .deepspeed_universal import load_zero3_universal
 
         own = zero._load_universal_checkpoint
 

@@ -1,10 +1,10 @@
 """The matrix slots of a tagged tensor: which logical matrices it holds and which part
-of each a rank has, for adapters to put in a :class:`~ds_muon.layout.ParamBinding`.
+of each a rank has, for adapters to put in a :class:`~ds_muon.engine.layout.ParamBinding`.
 
-:func:`logical_blocks` reads the tags of :mod:`ds_muon.tags` (split rows, expert
+:func:`logical_blocks` reads the tags of :mod:`ds_muon.models.tags` (split rows, expert
 stacks) into contiguous ranges of the tensor's row-major flattening;
 :func:`block_slots` clips them to the range a rank holds; :func:`tp_slots` does the
-same for a :func:`~ds_muon.tags.tensor_parallel` shard.
+same for a :func:`~ds_muon.models.tags.tensor_parallel` shard.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import MatrixSlot, Piece, global_shape, matrix_shape, slots_in_range
-from .tags import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
+from .tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
 
 Block = Tuple[str, Tuple[int, int], int]  # key, 2-D shape, start in the tensor's row-major flattening
 
@@ -63,7 +63,7 @@ StridedBlock = Tuple[str, Tuple[int, int], int, Tuple[int, ...], Tuple[int, ...]
 
 
 def strided_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]] = None) -> List[StridedBlock]:
-    """The :func:`~ds_muon.tags.fused_blocks` of a tensor: ``(key, (rows, cols), offset, sizes, strides)``,
+    """The :func:`~ds_muon.models.tags.fused_blocks` of a tensor: ``(key, (rows, cols), offset, sizes, strides)``,
     each block the 4-D view ``[row runs, run rows, col runs, run cols]`` of the tensor's row-major
     flattening from ``offset`` (its row-major order is the block's)."""
     shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))

@@ -11,9 +11,9 @@ from typing import List, Sequence
 
 from torch import nn
 
-from ..param_groups import muon_param_groups
-from ..selection import HEAD_NAMES
-from .fsdp1 import fsdp1_param_groups, is_fsdp1_model
+from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
+from .models.selection import HEAD_NAMES
+from .param_groups import muon_param_groups
 
 
 def fsdp_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4, weight_decay: float = 0.0,

@@ -13,7 +13,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from .models.kinds import (EMBEDDING, EMBEDDING_TYPES, HEAD_NAMES, HIDDEN_MATRIX, OUTPUT_HEAD, Rules,  # noqa: F401
+from .kinds import (EMBEDDING, EMBEDDING_TYPES, HEAD_NAMES, HIDDEN_MATRIX, OUTPUT_HEAD, Rules,  # noqa: F401
                            classify, rules_of)
 
 __all__ = ["HEAD_NAMES", "EMBEDDING_TYPES", "HIDDEN_MATRIX", "EMBEDDING", "OUTPUT_HEAD", "param_reasons",

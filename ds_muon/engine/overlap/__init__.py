@@ -1,7 +1,7 @@
 """Overlap (``Muon(..., overlap=True, model=model)``): the step's communication hidden
 behind the training loop, always bitwise equal to ``overlap=False``.
 
-* waves (:func:`ds_muon.compile.split_waves`): each layout's exchange is cut into runs
+* waves (:func:`ds_muon.engine.compile.split_waves`): each layout's exchange is cut into runs
   of about equal NS work, so NS of one wave runs while the next travels;
 * gathers sent from backward (:mod:`.backward`), where a parameter's gradient is
   final when its hook fires (FSDP2, one process);
@@ -34,7 +34,7 @@ class OverlapSettings:
     """``enabled``: waves (and, with a model, gathers from backward); ``waves``: how many
     per exchange; ``dispatch_in_backward``: gathers may leave from backward;
     ``apply_in_forward``: updates may wait for the next forward (opt-in, see
-    :class:`~ds_muon.overlap.forward.DeferredApply` for what then sees them)."""
+    :class:`~ds_muon.engine.overlap.forward.DeferredApply` for what then sees them)."""
 
     enabled: bool = False
     waves: int = 4

@@ -135,7 +135,7 @@ def chunk_bytes(device_type: str) -> Optional[int]:
 def pin_chunk_bytes(budget: Optional[int]) -> None:
     """Fix the chunk budget for this process: bytes, 0 for whole stacks, None to follow the table."""
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
-        raise ValueError(f"ds_muon.ns_kernels.pin_chunk_bytes: budget={budget!r} must be an int >= 0 or None")
+        raise ValueError(f"ds_muon.rules.ns_kernels.pin_chunk_bytes: budget={budget!r} must be an int >= 0 or None")
     _version[0] += 1
     _chunk_pin[0] = budget
 
@@ -169,14 +169,14 @@ def pin(choices: Optional[Dict[Class, str]] = None, *, form: Optional[str] = Non
     for key, f in (choices or {}).items():
         _check_form(f, f"choices[{key!r}]")
         if not (isinstance(key, tuple) and len(key) == 5 and key[2] in PRODUCTS):
-            raise ValueError(f"ds_muon.ns_kernels.pin: {key!r} is not a class "
+            raise ValueError(f"ds_muon.rules.ns_kernels.pin: {key!r} is not a class "
                              "(device type, dtype name, product, transposed, 'small'|'large')")
         _pinned[key] = f
 
 
 def _check_form(f, what: str) -> None:
     if f not in FORMS:
-        raise ValueError(f"ds_muon.ns_kernels: {what}={f!r} is not a form; use one of {list(FORMS)}")
+        raise ValueError(f"ds_muon.rules.ns_kernels: {what}={f!r} is not a form; use one of {list(FORMS)}")
 
 
 def reset() -> None:

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .newton_schulz import ns_flops
+from ..rules.newton_schulz import ns_flops
 
 STRATEGIES = ("locality", "lpt", "round_robin", "auto")
 TEAM_SIZES = (2, 3, 4, 8, 16, 32, 64)  # team sizes plan_teams tries (at most the world)
@@ -52,7 +52,7 @@ class CostModel:
     offload: bool = False
     ranks_per_node: Optional[int] = None  # None: one flat link (every byte at bytes_per_s)
     intra_bytes_per_s: float = 400e9  # per rank inside a node (NVLink-class); bytes_per_s is then inter-node
-    # How the exchange moves its bytes (:class:`~ds_muon.exchange.Exchange`): "all_to_all" over the
+    # How the exchange moves its bytes (:class:`~ds_muon.engine.exchange.Exchange`): "all_to_all" over the
     # whole group, "p2p" (batch_isend_irecv with the ranks it really talks to), or "auto" (the cheaper
     # by :meth:`transport`).  The per-peer latencies are assumptions, not measured on a GPU cluster.
     exchange: str = "all_to_all"
@@ -616,9 +616,9 @@ def _best_duplication(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple
     return best
 
 
-# -- team NS: one matrix on several ranks (ds_muon.team) ------------------------------------------
+# -- team NS: one matrix on several ranks (ds_muon.engine.team) ------------------------------------------
 def team_widths(rows: int, cols: int, k: int) -> List[int]:
-    """The widths of the k column blocks of the wide orientation (as :func:`ds_muon.team.team_bounds`)."""
+    """The widths of the k column blocks of the wide orientation (as :func:`ds_muon.engine.team.team_bounds`)."""
     n = max(rows, cols)
     return [((j + 1) * n) // k - (j * n) // k for j in range(k)]
 
@@ -626,7 +626,7 @@ def team_widths(rows: int, cols: int, k: int) -> List[int]:
 def team_member_flops(m: int, w: int, steps: int) -> float:
     """Multiply-add FLOPs of one member of a team NS holding a block m×w of the wide orientation:
     per iteration X_j·X_jᵀ (2m²w), then B = bA + cA² and B·X_j (2m³ + 2m²w), or, where w < m,
-    Y = A·X_j and A·(X_j + (c/b)·Y) (4m²w): whichever is fewer (:func:`ds_muon.team.team_newton_schulz`)."""
+    Y = A·X_j and A·(X_j + (c/b)·Y) (4m²w): whichever is fewer (:func:`ds_muon.engine.team.team_newton_schulz`)."""
     return float(steps) * (2.0 * m * m * w + min(2.0 * m**3 + 2.0 * m * m * w, 4.0 * m * m * w))
 
 
@@ -652,7 +652,7 @@ def team_traffic(t: MatrixTask, members: Sequence[int]) -> Tuple[np.ndarray, np.
     """Elements each rank sends and receives (gather + scatter) for one team matrix: member j
     collects what it lacks of block j from the holders in proportion to what they hold (each
     holder's share assumed spread evenly over the blocks), then every holder gets its piece of each
-    other member's block back (:class:`ds_muon.team.TeamExchange` moves exactly the overlaps)."""
+    other member's block back (:class:`ds_muon.engine.team.TeamExchange` moves exactly the overlaps)."""
     world = len(t.held)
     n = max(t.rows, t.cols)
     held = np.asarray(t.held, dtype=np.float64)
@@ -677,7 +677,7 @@ def team_traffic(t: MatrixTask, members: Sequence[int]) -> Tuple[np.ndarray, np.
 def plan_teams(tasks: Sequence[MatrixTask], world_size: int, homes: Sequence[Tuple[int, ...]],
                cost_model: Optional[CostModel] = None, eligible: Optional[Sequence[bool]] = None,
                sizes: Sequence[int] = TEAM_SIZES) -> Dict[int, Tuple[int, ...]]:
-    """Matrices worth orthogonalizing as a team (:mod:`ds_muon.team`), from a plan's ``homes``:
+    """Matrices worth orthogonalizing as a team (:mod:`ds_muon.engine.team`), from a plan's ``homes``:
     ``{matrix: sorted member ranks}``.
 
     While it shortens the modelled step, take the slowest rank and, of the (up to four largest)

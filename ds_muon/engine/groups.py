@@ -13,9 +13,9 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..rules.newton_schulz import NS_METHODS, resolve_coefficients
+from ..rules.scaling import check_scale_mode
 from .layout import global_shape, is_flat_shard
-from .newton_schulz import NS_METHODS, resolve_coefficients
-from .scaling import check_scale_mode
 
 WEIGHT_DECAY_MODES = ("decoupled", "l2")
 

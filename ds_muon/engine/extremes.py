@@ -29,7 +29,7 @@ class _Chunk:
         numels = [s.numel() for s in shapes]
         total = sum(numels)
         self.positions = positions
-        self.scratch = scratch  # its memory is lent only while the extremes are taken (ds_muon.lending)
+        self.scratch = scratch  # its memory is lent only while the extremes are taken (ds_muon.engine.lending)
         self.where = torch.tensor(positions, dtype=torch.int64, device=scratch.device)
         self.data = scratch[:total]
         self.views = [v.view(s) for v, s in zip(self.data.split(numels), shapes)]

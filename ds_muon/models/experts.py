@@ -30,8 +30,9 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from .layout import global_shape
-from .tags import EXPERTS, expert_weight, split_rows, transposed
+from ..engine.layout import global_shape
+from ..engine.tag_keys import EXPERTS
+from .tags import expert_weight, split_rows, transposed
 
 EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_gate")  # set by @use_experts_implementation
 STACK_NAMES = ("gate_up_proj", "up_proj", "down_proj")

@@ -4,7 +4,7 @@ a tensor's replicas live in.
 
 Tags are attributes on the tensor, so they survive being put into param groups;
 each helper returns the tensor it tagged.  Adapters turn them into matrix slots
-through :mod:`ds_muon.slots`; the optimizer reads :func:`domain_of`.  What each
+through :mod:`ds_muon.engine.slots`; the optimizer reads :func:`domain_of`.  What each
 stack supports is in ``docs/ADVANCED.md``.
 
 * :func:`split_rows` — the rows of a weight are independent matrices (a fused
@@ -31,14 +31,8 @@ from typing import Dict, Optional, Sequence, Union
 
 import torch
 
-from .layout import global_shape
-
-SPLIT_ROWS = "_ds_muon_split_rows"  # tuple of (label, rows)
-TENSOR_PARALLEL = "_ds_muon_tp"  # (tp group, partition_dim)
-EXPERTS = "_ds_muon_experts"  # True: dim 0 indexes matrices
-DOMAIN = "_ds_muon_domain"  # process group of the tensor's replicas / shards
-TRANSPOSED = "_ds_muon_transposed"  # True: stored as [in, out] (GPT-2's Conv1D)
-BLOCKS = "_ds_muon_blocks"  # tuple of (label, rows run, cols run): fused blocks, see fused_blocks
+from ..engine.layout import global_shape
+from ..engine.tag_keys import BLOCKS, DOMAIN, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, TRANSPOSED
 
 
 def _what(param) -> str:
@@ -199,10 +193,6 @@ def transposed(param: torch.Tensor):
     return param
 
 
-def is_transposed(param: torch.Tensor) -> bool:
-    return bool(getattr(param, TRANSPOSED, False))
-
-
 def domain(param: torch.Tensor, group):
     """Put ``param`` (Muon or AdamW) in the domain of process group ``group``: its replicas or
     shards live on the ranks of ``group`` (expert data parallelism).  Returns ``param``."""
@@ -210,37 +200,6 @@ def domain(param: torch.Tensor, group):
     return param
 
 
-def domain_of(param: torch.Tensor, default=None):
-    """The process group a tensor's replicas live in: its :func:`domain` tag, else ``default``."""
-    return getattr(param, DOMAIN, default)
-
-
-def is_tagged(param: torch.Tensor) -> bool:
-    """Does ``param`` carry a tag that changes which matrices it holds?"""
-    return any(getattr(param, a, None) is not None for a in (SPLIT_ROWS, TENSOR_PARALLEL, BLOCKS)) or bool(
-        getattr(param, EXPERTS, False))
-
-
 # -- tags that travel with param groups ---------------------------------------------
-SHAPE_TAGS = (SPLIT_ROWS, EXPERTS, TRANSPOSED, BLOCKS)  # which matrices a tensor holds, and how each scales
 
 
-def shape_tags(param: torch.Tensor) -> Optional[dict]:
-    """The tensor's shape tags as plain values, with its shape (None when untagged): what
-    :func:`ds_muon.muon_param_groups` records in a group as ``param_tags``."""
-    tags = {a: getattr(param, a) for a in SHAPE_TAGS if getattr(param, a, None)}
-    return {"shape": tuple(global_shape(param)), **tags} if tags else None
-
-
-def restore_tags(param: torch.Tensor, recorded: Optional[dict]) -> None:
-    """Put recorded tags back on a tensor a stack swapped in for the tagged one (FSDP2's
-    ``fully_shard`` or accelerate after the optimizer was built), so a fused expert stack is
-    not silently one matrix.  Only on an untagged tensor of the recorded shape: a flat
-    partition (DeepSpeed) or a tensor the user re-tagged is left as it is."""
-    if not recorded or any(getattr(param, a, None) for a in SHAPE_TAGS):
-        return
-    if tuple(global_shape(param)) != tuple(recorded["shape"]):
-        return
-    for a in SHAPE_TAGS:
-        if a in recorded:
-            setattr(param, a, recorded[a])

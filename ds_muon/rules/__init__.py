@@ -1,0 +1,11 @@
+"""The rules: the maths of a Muon step, as pure functions of tensors.
+
+No process groups, no models, no stacks: the engine hands a rule the tensors a home rank or a holder
+already has, so a rule runs the same on every stack and its results are bitwise the same wherever the
+matrix lives.  A new rule is one file here.
+
+* :mod:`.newton_schulz` — the orthogonalization (methods, coefficients, stacks batched by shape), with
+  :mod:`.ns_kernels` (which kernel forms its products run as on this machine, same bits);
+* :mod:`.update` — the NS input (decay, momentum, Nesterov) and the apply on a piece of the weight;
+* :mod:`.scaling` — the update's scale per matrix shape.
+"""

@@ -48,6 +48,8 @@ from .engine.offload import accelerator
 from .engine.overlap import OverlapSettings, Wave
 from .engine.pieces import WavePieces
 from .engine.planner import STRATEGIES, CostModel
+from .engine.row_moments import (KEY as NORMUON_V, RowMoments, check_moments, is_normuon, new_moment, restore_moments,
+                                 split_moments)
 from .engine.state_check import check_loaded_state, check_state
 from .engine.summary import Summary, log_first_step, summarize
 from .engine.tag_keys import restore_tags
@@ -104,6 +106,8 @@ class Muon(Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         weight_decay_mode: str = "decoupled",
+        variant: str = "muon",
+        normuon_beta2: float = 0.95,
         ns_steps: int = 5,
         ns_coefficients="keller",
         ns_method: str = "standard",
@@ -157,7 +161,7 @@ class Muon(Optimizer):
         self._reset_runtime()
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+            weight_decay_mode=weight_decay_mode, variant=variant, normuon_beta2=normuon_beta2, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
             ns_method=ns_method, compile=compile,
             ns_dtype=dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor, use_muon=True,
@@ -395,7 +399,8 @@ class Muon(Optimizer):
         self._resolve()
         self._init_state()
         failed = failed or LocalFailure.catch(  # every state tensor fits, before any write
-            lambda: check_state(self.param_groups, self.state, self._name))
+            lambda: (check_state(self.param_groups, self.state, self._name),
+                     check_moments(self.param_groups, self.state, self._bindings, self._name)))
         self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
         loss = self._stages(loss, failed)
         if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
@@ -430,7 +435,7 @@ class Muon(Optimizer):
         Skipped while the state dict (``load_state_dict`` replaces it), its size and the tensors
         of every group stay those of the last call: nothing can be missing then."""
         key = (id(self.state), len(self.state),
-               tuple((g["use_muon"], tuple(map(id, g["params"]))) for g in self.param_groups))
+               tuple((g["use_muon"], is_normuon(g), tuple(map(id, g["params"]))) for g in self.param_groups))
         if key == self._state_key:
             return
         self._fill_state()
@@ -443,6 +448,8 @@ class Muon(Optimizer):
             for p in g["params"]:
                 st = self.state[p]
                 if muon:
+                    if NORMUON_V not in st and is_normuon(g) and id(p) in self._bindings:  # whole, every rank
+                        st[NORMUON_V] = new_moment(self._bindings[id(p)], p)
                     buf = st.get("momentum_buffer")
                     if buf is None:
                         st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -625,14 +632,22 @@ class Muon(Optimizer):
             pieces.sent()
         return j.exchange.gather_start(None, filled=True)
 
-    @staticmethod
-    def _orthogonalize(jobs: List[_Job], gathers: list) -> list:
-        """Stage 6: as each gather arrives, NS at home (batched by shape and settings), then its
-        scatter is issued.  Returns the pending scatters."""
-        scatters = []
+    def _orthogonalize(self, jobs: List[_Job], gathers: list) -> list:
+        """Stage 6: as each gather arrives, NS at home (batched by shape and settings), then
+        NorMuon on the results of ``variant="normuon"`` matrices (:mod:`~ds_muon.engine.row_moments`),
+        then its scatter is issued (and the homes' new NorMuon moments shared with every rank).
+        Returns the pending scatters."""
+        scatters, shared = [], []
+        group_of = self._muon_groups()
         for j, pending in zip(jobs, gathers):
             stacks = j.exchange.gather_finish(pending)
-            scatters.append(j.exchange.scatter_start({key: j.ns_of[key].run(stack) for key, stack in stacks.items()}))
+            results = {key: j.ns_of[key].run(stack) for key, stack in stacks.items()}
+            RowMoments.at_home(j.layout, j.exchange, results, group_of, self.state)
+            scatters.append(j.exchange.scatter_start(results))
+            shared.append(RowMoments.share_start(j.layout, j.exchange, group_of, self.state))
+        for s in shared:
+            if s is not None:
+                s.finish()
         return scatters
 
     def _apply(self, jobs: List[_Job], scatters: list) -> None:
@@ -738,7 +753,9 @@ class Muon(Optimizer):
         check_loaded_state(self.param_groups, state_dict, self._name)
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
+        moments, state_dict = split_moments(state_dict)  # NorMuon's v stays float32 (torch casts state)
         super().load_state_dict(state_dict)
+        restore_moments(self.param_groups, state_dict["param_groups"], moments, self.state)
         self._exchanges.clear()  # compiled for the old state's dtypes (a load casts state to the parameters')
 
     # -- introspection --------------------------------------------------------

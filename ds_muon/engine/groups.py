@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..rules.newton_schulz import NS_METHODS, resolve_coefficients
+from ..rules.normuon import VARIANTS
 from ..rules.scaling import check_scale_mode
 from .layout import global_shape, is_flat_shard
 
@@ -187,6 +188,9 @@ def check_settings(group: dict, gi: int) -> None:
         raise ValueError(
             f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
             f"use one of {list(WEIGHT_DECAY_MODES)}")
+    if group["variant"] not in VARIANTS:
+        raise ValueError(f"param_groups[{gi}]: variant={group['variant']!r} is unknown; use one of {list(VARIANTS)}")
+    _number(group, "normuon_beta2", gi, below=1.0)  # NorMuon's second-moment decay (read only by normuon)
     try:
         _check_schedule(group["ns_coefficients"], group["ns_steps"])
         check_scale_mode(group["scale_mode"])

@@ -237,3 +237,201 @@ def test_variant_is_a_per_group_setting():
     assert KEY in opt.state[model[0].weight] and KEY not in opt.state[model[1].weight]
     assert torch.equal(model[1].weight, ref[1].weight)
     assert not torch.equal(model[0].weight, ref[0].weight)
+
+
+# -- every stack at W=2, bitwise equal to one process --------------------------------------------
+# Fuzz cases (tests/fuzz_models.py: drawn models with conv weights, expert stacks, tied weights,
+# empty and 1-wide matrices; drawn settings with overlap/waves/backward dispatch, duplicated mode
+# and every planner) made NorMuon: variant="normuon", a drawn normuon_beta2, NS in fp32 for even
+# cases and bf16 for odd ones; a second group (where drawn) sometimes stays plain Muon.
+
+SEED = 0
+CASES_PER_STACK = 4
+STACKS = ["ddp", "fsdp2", "fsdp1", "zero"]
+
+
+def normuon_case(index: int, kind: str, world: int):
+    from dataclasses import replace
+
+    from fuzz_models import draw_case
+
+    case = draw_case(SEED, index, kind, world)
+    rng = random.Random(f"normuon/{SEED}/{index}/{kind}/{world}")
+    muon = dict(case.settings.muon)
+    muon.update(variant="normuon", normuon_beta2=rng.choice((0.95, 0.5, 0.0)),
+                ns_dtype=torch.float32 if index % 2 == 0 else torch.bfloat16)
+    if muon["ns_method"] == "gram" and muon["ns_dtype"] == torch.bfloat16:
+        muon["ns_method"] = "standard"  # as draw_settings (fuzz_models: gram in bf16 is not batch-invariant)
+    second = case.second_group
+    if second:
+        second = tuple((k, "float32" if k == "ns_dtype" and muon["ns_method"] == "gram" else v) for k, v in second)
+        second += (("variant", rng.choice(("muon", "normuon"))),)
+    stack = case.stack
+    if kind == "zero":  # ZeRO-2 in three of four cases (the draw picks stage 1 a third of the time)
+        stack = replace(stack, options=(("stage", 1 if index == 3 else 2),))
+    return replace(case, settings=replace(case.settings, muon=tuple(muon.items())), second_group=second, stack=stack)
+
+
+def _moments(opt, flat: bool):
+    """NorMuon's v of every tensor: by name, or (flat shards) in the optimizer's order."""
+    if flat:
+        return [opt.state[p][KEY].clone() for g in opt.param_groups for p in g["params"]
+                if KEY in opt.state.get(p, {})]
+    return {n[len("module."):] if n.startswith("module.") else n: opt.state[p][KEY].clone()
+            for g in opt.param_groups for n, p in zip(g["param_names"], g["params"]) if KEY in opt.state.get(p, {})}
+
+
+def _run_with_moments(case):
+    """fuzz_stacks.run_case, plus the moments every rank holds at the end."""
+    import gc
+
+    from fuzz_stacks import _build, _same_state, state_keys
+
+    run = _build(case)
+    roundtrip = None
+    for t in range(case.steps):
+        run.train_step(case.grads(run.shapes, t))
+        if t + 1 == case.roundtrip_after:
+            saved = copy.deepcopy(run.opt.state_dict())
+            run.opt.load_state_dict(copy.deepcopy(saved))
+            roundtrip = _same_state(saved, run.opt.state_dict())
+    out = {"params": run.full_params(), "keys": state_keys(run.opt, run.flat_state), "roundtrip": roundtrip,
+           "moments": _moments(run.opt, run.flat_state)}
+    del run
+    gc.collect()
+    return out
+
+
+def _stack_worker(rank, world, kind, indices):
+    import traceback
+
+    import torch.distributed as dist
+
+    out = []
+    for index in indices:
+        try:
+            res = _run_with_moments(normuon_case(index, kind, world))
+        except Exception:  # noqa: BLE001 - reported per case by the parent
+            res = {"error": traceback.format_exc(limit=8)}
+        dist.barrier()
+        out.append(res)
+    return out
+
+
+def _reference_with_moments(case):
+    import dist_harness
+    from fuzz_stacks import _groups, _muon
+    from fuzz_models import build_model, usages
+
+    with dist_harness.one_thread():
+        model = build_model(case.model, case.model_seed)
+        opt = _muon(case, _groups(case, model), model, reference=True)
+        shapes = usages(model)
+        for t in range(case.steps):
+            model(case.grads(shapes, t)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        from fuzz_stacks import state_keys
+        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "keys": state_keys(opt, False), "flat_keys": state_keys(opt, True), "moments": _moments(opt, False)}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", STACKS)
+def test_stacks_bitwise_with_one_process(kind):
+    """DDP, FSDP2, FSDP1 (flat or orig params, nested or not) and ZeRO-1/2 at W=2: every rank's
+    parameters ``torch.equal`` to one process, the same state keys everywhere (``normuon_v``
+    included), a lossless state_dict round trip after step 2, and every rank holding the home's v
+    bitwise (by name where the stack keeps names: equal to one process's too)."""
+    pytest.importorskip("deepspeed") if kind == "zero" else None
+    import dist_harness
+    from fuzz_stacks import ZERO_ENV
+    from test_fuzz import _check, _report
+
+    indices = list(range(CASES_PER_STACK))
+    results = dist_harness.run(_stack_worker, 2, kind, indices, timeout=360, env=ZERO_ENV)
+    failures, steps_normuon = [], 0
+    for pos, index in enumerate(indices):
+        case = normuon_case(index, kind, 2)
+        per_rank = [results[r][pos] for r in range(2)]
+        ref = _reference_with_moments(case)
+        lines = _check(case, per_rank, ref)
+        for r, res in enumerate(per_rank):
+            if "error" in res:
+                continue
+            mine, first = res["moments"], per_rank[0].get("moments")
+            if isinstance(mine, dict):
+                if sorted(mine) != sorted(ref["moments"]):
+                    lines.append(f"rank {r}: v of {sorted(mine)} != reference {sorted(ref['moments'])}")
+                lines += [f"rank {r}: v of {n} differs from one process" for n in mine
+                          if n in ref["moments"] and not torch.equal(mine[n], ref["moments"][n])]
+            else:
+                if len(mine) != len(first) or not all(torch.equal(a, b) for a, b in zip(mine, first)):
+                    lines.append(f"rank {r}: flat v differs from rank 0's")
+                if not mine:
+                    lines.append(f"rank {r}: no normuon_v")
+            steps_normuon += bool(mine)
+        if lines:
+            failures.append((case, lines))
+    assert not failures, _report(failures)
+    assert steps_normuon == 2 * len(indices)
+
+
+# -- ZeRO-3 (test_deepspeed's set-up) and DeepSpeed checkpoints ------------------------------------
+NORMUON_PARAMS = {"variant": "normuon", "normuon_beta2": 0.9}
+
+
+def _zero_worker(rank, world, root, runs):
+    """Each run ``(stage, ns_dtype, resume)``: 3 steps through the DsMuon JSON; with ``resume``,
+    ``save_checkpoint`` after step 2 and a fresh engine ``load_checkpoint`` takes step 3 again."""
+    import os
+
+    from ds_muon import deepspeed as ds_muon_deepspeed
+    from test_deepspeed import PARAMS, ds_config, full_fp32, make_model, train
+
+    out = {}
+    for stage, ns, resume in runs:
+        params = dict(PARAMS, ns_dtype=ns, **NORMUON_PARAMS)
+        engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=ds_config(stage, params=params))
+        train(engine, 2)
+        path = os.path.join(root, f"z{stage}_{ns}")
+        if resume:
+            engine.save_checkpoint(path, tag="k")
+        train(engine, 1, start=2)
+        moments = [s[KEY].clone() for s in engine.basic_optimizer.state.values() if KEY in s]
+        res = {"params": full_fp32(engine), "moments": moments}
+        if resume:
+            again, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=ds_config(stage, params=params))
+            again.load_checkpoint(path, tag="k")
+            loaded = [s[KEY].clone() for s in again.basic_optimizer.state.values() if KEY in s]
+            train(again, 1, start=2)
+            res.update(resumed=full_fp32(again), loaded_moments=len(loaded))
+        out[(stage, ns, resume)] = res
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_zero3_bitwise_and_deepspeed_checkpoint_resume(tmp_path):
+    """ZeRO-3 at W=2, NS in fp32 and bf16: the fp32 master weights ``torch.equal`` to one process
+    (NorMuon through the DsMuon JSON), both ranks holding the same v; ZeRO-3 (bf16 NS) and ZeRO-2
+    (fp32 NS) ``save_checkpoint`` after step 2, ``load_checkpoint`` into a fresh engine: step 3 is
+    bitwise the uninterrupted run's (v came back: a zero v would change it)."""
+    pytest.importorskip("deepspeed")
+    import dist_harness
+    from test_deepspeed import ENV, PARAMS, reference
+
+    runs = [(3, "float32", False), (3, "bfloat16", True), (2, "float32", True)]
+    results = dist_harness.run(_zero_worker, 2, str(tmp_path), runs, timeout=360, env=ENV)
+    plain = reference(dict(PARAMS, ns_dtype="float32"))
+    for run in runs:
+        want = reference(dict(PARAMS, ns_dtype=run[1], **NORMUON_PARAMS))
+        for rank, res in enumerate(r[run] for r in results):
+            for name, w in want.items():
+                assert torch.equal(res["params"][name], w), (run, rank, name)
+                if run[2]:
+                    assert torch.equal(res["resumed"][name], w), (run, rank, name, "resumed")
+            assert res["moments"] and len(res["moments"]) == len(results[0][run]["moments"]), (run, rank)
+            assert all(torch.equal(a, b) for a, b in zip(res["moments"], results[0][run]["moments"])), (run, rank)
+            if run[2]:
+                assert res["loaded_moments"] == len(res["moments"]), (run, rank)
+    assert not torch.equal(plain["up.weight"], reference(dict(PARAMS, ns_dtype="float32", **NORMUON_PARAMS))["up.weight"])

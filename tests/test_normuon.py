@@ -435,3 +435,24 @@ def test_zero3_bitwise_and_deepspeed_checkpoint_resume(tmp_path):
             if run[2]:
                 assert res["loaded_moments"] == len(res["moments"]), (run, rank)
     assert not torch.equal(plain["up.weight"], reference(dict(PARAMS, ns_dtype="float32", **NORMUON_PARAMS))["up.weight"])
+    # the universal conversion has no layout for v: refused before writing, never dropped unseen
+    from ds_muon.integrations.deepspeed_universal import zero_to_universal
+    for stage, ns in ((2, "float32"), (3, "bfloat16")):
+        out = tmp_path / f"universal_z{stage}"
+        with pytest.raises(NotImplementedError, match="normuon_v.*no universal layout"):
+            zero_to_universal(str(tmp_path / f"z{stage}_{ns}" / "k"), str(out))
+        assert not (out / "zero").exists()
+
+
+def test_convert_carries_the_moment_by_name():
+    """ds_muon.convert gives each tensor its v by name (another optimizer over the same model), float32."""
+    from ds_muon.convert import load_named, named_state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Linear(8, 5, bias=False)).to(torch.bfloat16)
+    opt = _train(model, _grads(model, 2), 2, variant="normuon")
+    named = named_state(copy.deepcopy(opt.state_dict()))
+    fresh = ds_muon.Muon(_groups(model), log_summary=False, variant="normuon")
+    load_named(fresh, named)
+    for p in model.parameters():
+        assert fresh.state[p][KEY].dtype == torch.float32 and torch.equal(fresh.state[p][KEY], opt.state[p][KEY])

@@ -39,6 +39,21 @@ def _flat_keys(state: dict, flat: torch.Tensor) -> List[str]:
     return keys + ([STEP] if STEP in state else [])
 
 
+MOMENT = "normuon_v"  # NorMuon's second moment (ds_muon.engine.row_moments): whole per matrix, not per element
+
+
+def _refuse_moments(states, where: str) -> None:
+    """NorMuon's v is one value per output neuron of every matrix of a flat partition, not a fragment of it:
+    DeepSpeed's universal layout (one file per parameter and key, sliced per element) has no place for it,
+    and leaving it out would restart it at zero unseen."""
+    if any(isinstance(st, dict) and MOMENT in st for st in states):
+        raise NotImplementedError(
+            f"ds_muon.integrations.deepspeed_universal: {where} holds NorMuon's second moment ({MOMENT!r}, "
+            "variant='normuon'), which has no universal layout yet; nothing was written. Resume at the same "
+            "world size with engine.load_checkpoint (it carries the moment), or convert the state of an "
+            "unwrapped model with ds_muon.convert to a torch file or DCP")
+
+
 def _extract_zero12(ckpt, temp_dir: str, dp_index: int) -> None:
     d2u = _ds()
     from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS,
@@ -46,6 +61,7 @@ def _extract_zero12(ckpt, temp_dir: str, dp_index: int) -> None:
 
     sd = ckpt.get_zero_checkpoint_state(pp_index=0, tp_index=0, dp_index=dp_index)[OPTIMIZER_STATE_DICT]
     states, fp32_groups = sd[BASE_OPTIMIZER_STATE]["state"], sd[SINGLE_PARTITION_OF_FP32_GROUPS]
+    _refuse_moments(states.values(), f"data-parallel rank {dp_index}'s ZeRO checkpoint")
     for gi, mappings in enumerate(sd[PARAM_SLICE_MAPPINGS]):
         state = states.get(gi, {})
         flat = {FP32: fp32_groups[gi], **{k: state[k] for k in _flat_keys(state, fp32_groups[gi])}}
@@ -57,6 +73,7 @@ def _extract_zero12(ckpt, temp_dir: str, dp_index: int) -> None:
 def _extract_zero3(optim_file: str, shapes: List[dict], temp_dir: str, dp_index: int, dp_degree: int) -> None:
     d2u = _ds()
     sd = torch.load(optim_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    _refuse_moments(sd["optimizer_state_dict"]["state"].values(), f"data-parallel rank {dp_index}'s ZeRO-3 checkpoint")
     partitions = sd.get("ds_zero_partition_groups") or []
     for idx, sub_group in enumerate(shapes):
         fp32 = sd["fp32_flat_groups"][idx]

@@ -456,3 +456,51 @@ def test_convert_carries_the_moment_by_name():
     load_named(fresh, named)
     for p in model.parameters():
         assert fresh.state[p][KEY].dtype == torch.float32 and torch.equal(fresh.state[p][KEY], opt.state[p][KEY])
+
+
+# -- team NS never takes a NorMuon matrix --------------------------------------------------------------
+def _team_worker(rank, world):
+    """test_team_ns's flat partitions and cost model (which team the large matrices): per variant,
+    the teams the plan made and this rank's result."""
+    from models import HandAdapter
+    from test_team_ns import _cuts, _grads, _initial, _opts
+    from ds_muon.engine.layout import ParamBinding, slots_in_range
+
+    mats = _initial()
+    offsets, pos = [], 0
+    for i, m in enumerate(mats):
+        offsets.append((f"m{i}", tuple(m.shape), pos))
+        pos += m.numel()
+    lo, hi = _cuts(pos, world)[rank]
+    out = {}
+    for variant in ("muon", "normuon"):
+        local = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())
+        local._ds_muon_flat = True
+        adapter = HandAdapter(lambda p, name, context: ParamBinding(p, lambda t: t.reshape(-1),
+                                                                    slots_in_range(offsets, lo, hi)))
+        opt = ds_muon.Muon([{"params": [local]}], adapter=adapter, variant=variant, **_opts(torch.float32))
+        local.grad = torch.cat([g.reshape(-1) for g in _grads()])[lo:hi].clone()
+        opt.step()
+        out[variant] = ((lo, hi), local.detach().clone(), {m.key: m.homes for m in opt.summary().matrices if m.team})
+    return out
+
+
+def test_team_ns_leaves_normuon_matrices_at_one_home():
+    """Where plain Muon runs the step-bounding matrices as teams, NorMuon keeps every matrix at one home
+    (its row means and norm need the whole matrix) and the flat W=2 result is bitwise one process's."""
+    import dist_harness
+    from test_team_ns import _initial, _grads, _opts
+
+    per_rank = dist_harness.run(_team_worker, 2, timeout=120)
+    assert per_rank[0]["muon"][2], "the set-up no longer makes teams: this test shows nothing"
+    assert all(r["normuon"][2] == {} for r in per_rank)
+    with dist_harness.one_thread():
+        mats = [nn.Parameter(m) for m in _initial()]
+        opt = ds_muon.Muon([{"params": mats}], variant="normuon", **_opts(torch.float32))
+        for p, g in zip(mats, _grads()):
+            p.grad = g
+        opt.step()
+        want = torch.cat([m.detach().reshape(-1) for m in mats])
+    for r in per_rank:
+        (lo, hi), got, _ = r["normuon"]
+        assert torch.equal(got, want[lo:hi])

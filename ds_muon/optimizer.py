@@ -638,13 +638,16 @@ class Muon(Optimizer):
         then its scatter is issued (and the homes' new NorMuon moments shared with every rank).
         Returns the pending scatters."""
         scatters, shared = [], []
-        group_of = self._muon_groups()
+        normuon = any(g["use_muon"] and is_normuon(g) for g in self.param_groups)
+        group_of = self._muon_groups() if normuon else {}
         for j, pending in zip(jobs, gathers):
             stacks = j.exchange.gather_finish(pending)
             results = {key: j.ns_of[key].run(stack) for key, stack in stacks.items()}
-            RowMoments.at_home(j.layout, j.exchange, results, group_of, self.state)
+            if normuon:
+                RowMoments.at_home(j.layout, j.exchange, results, group_of, self.state)
             scatters.append(j.exchange.scatter_start(results))
-            shared.append(RowMoments.share_start(j.layout, j.exchange, group_of, self.state))
+            if normuon:
+                shared.append(RowMoments.share_start(j.layout, j.exchange, group_of, self.state))
         for s in shared:
             if s is not None:
                 s.finish()

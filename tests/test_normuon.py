@@ -482,17 +482,36 @@ def _team_worker(rank, world):
         local.grad = torch.cat([g.reshape(-1) for g in _grads()])[lo:hi].clone()
         opt.step()
         out[variant] = ((lo, hi), local.detach().clone(), {m.key: m.homes for m in opt.summary().matrices if m.team})
+    # ranks that disagree on the variant (or beta2) fail the step's agreement on every rank, unchanged
+    for key, mine in (("variant", "normuon" if rank else "muon"), ("normuon_beta2", 0.9 if rank else 0.95)):
+        local = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())
+        local._ds_muon_flat = True
+        adapter = HandAdapter(lambda p, name, context: ParamBinding(p, lambda t: t.reshape(-1),
+                                                                    slots_in_range(offsets, lo, hi)))
+        opt = ds_muon.Muon([{"params": [local], key: mine}], adapter=adapter, **_opts(torch.float32))
+        local.grad = torch.ones_like(local)
+        before = local.detach().clone()
+        try:
+            opt.step()
+            out[key] = None
+        except ValueError as e:
+            out[key] = (str(e), torch.equal(before, local.detach()))
     return out
 
 
 def test_team_ns_leaves_normuon_matrices_at_one_home():
     """Where plain Muon runs the step-bounding matrices as teams, NorMuon keeps every matrix at one home
-    (its row means and norm need the whole matrix) and the flat W=2 result is bitwise one process's."""
+    (its row means and norm need the whole matrix) and the flat W=2 result is bitwise one process's.
+    In the same spawn: ranks given different ``variant`` or ``normuon_beta2`` raise on every rank,
+    naming the setting, with nothing changed (they are settings the step's agreement compares)."""
     import dist_harness
     from test_team_ns import _initial, _grads, _opts
 
     per_rank = dist_harness.run(_team_worker, 2, timeout=120)
     assert per_rank[0]["muon"][2], "the set-up no longer makes teams: this test shows nothing"
+    for key in ("variant", "normuon_beta2"):  # a setting of the agreement: refused on every rank, nothing changed
+        for r in per_rank:
+            assert r[key] is not None and f"param_groups[0][{key!r}]" in r[key][0] and r[key][1], (key, r[key])
     assert all(r["normuon"][2] == {} for r in per_rank)
     with dist_harness.one_thread():
         mats = [nn.Parameter(m) for m in _initial()]

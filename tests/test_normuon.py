@@ -523,3 +523,66 @@ def test_team_ns_leaves_normuon_matrices_at_one_home():
     for r in per_rank:
         (lo, hi), got, _ = r["normuon"]
         assert torch.equal(got, want[lo:hi])
+
+
+# -- split rows, [in, out] weights, expert stacks and conv kernels under DDP and FSDP2 -----------------
+def _tagged_net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _retag(model):
+    """fully_shard's DTensor parameters carry no tags: tag them again (as muon_param_groups' param_tags would)."""
+    ds_muon.transposed(model.stored_in_out)
+    ds_muon.split_rows(model.fused, [4, 6])
+    ds_muon.expert_weight(model.experts)
+
+
+def _net_worker(rank, world, configs):
+    import dist_harness  # noqa: F401 - (the spawn's one thread is set by the harness)
+
+    grads = _grads(_tagged_net(), 3)
+    out = []
+    for kind, ns, kw in configs:
+        model = _tagged_net()
+        if kind == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor import distribute_tensor
+
+            mesh = init_device_mesh("cpu", (world,))
+            fully_shard(model, mesh=mesh)
+            _retag(model)
+        opt = ds_muon.Muon(_groups(model), log_summary=False, variant="normuon", normuon_beta2=0.8, ns_dtype=ns, **kw)
+        for t in range(3):
+            for n, p in model.named_parameters():
+                g = grads[t][n]
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements) if kind == "fsdp2" else g.clone()
+            opt.step()
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters()}
+        out.append((full, {n: opt.state[p][KEY].clone() for n, p in model.named_parameters() if KEY in opt.state[p]}))
+    return out
+
+
+def test_every_kind_of_matrix_under_ddp_and_fsdp2():
+    """The formula test's model (plain, [in, out], split rows, experts, conv) at W=2 under the default
+    (DDP-like, replicated) layout with the auto planner's duplicated homes and under FSDP2 (every
+    matrix cut across both ranks), with overlap's waves: parameters and every rank's v ``torch.equal``
+    to one process, fp32 and bf16 NS."""
+    import dist_harness
+
+    configs = [("ddp", torch.float32, {}), ("ddp", torch.bfloat16, dict(overlap=True, waves=2)),
+               ("fsdp2", torch.float32, dict(overlap=True, waves=3)), ("fsdp2", torch.bfloat16, {})]
+    per_rank = dist_harness.run(_net_worker, 2, configs, timeout=180)
+    with dist_harness.one_thread():
+        for c, (kind, ns, _) in enumerate(configs):
+            model = _tagged_net()
+            opt = _train(model, _grads(_tagged_net(), 3), 3, variant="normuon", normuon_beta2=0.8, ns_dtype=ns)
+            for r, res in enumerate(per_rank):
+                full, moments = res[c]
+                for n, p in model.named_parameters():
+                    assert torch.equal(full[n], p.detach()), (kind, ns, r, n)
+                    if KEY in opt.state[p]:
+                        assert torch.equal(moments[n], opt.state[p][KEY]), (kind, ns, r, n, "v")
+                assert sorted(moments) == sorted(n for n, p in model.named_parameters() if p.dim() >= 2)

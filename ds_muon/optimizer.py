@@ -48,8 +48,8 @@ from .engine.offload import accelerator
 from .engine.overlap import OverlapSettings, Wave
 from .engine.pieces import WavePieces
 from .engine.planner import STRATEGIES, CostModel
-from .engine.row_moments import (KEY as NORMUON_V, RowMoments, check_moments, is_normuon, new_moment, restore_moments,
-                                 split_moments)
+from .engine.row_moments import (KEY as NORMUON_V, RowMoments, check_moments, fsdp1_moments, is_normuon, new_moment,
+                                 restore_moments, split_moments)
 from .engine.state_check import check_loaded_state, check_state
 from .engine.summary import Summary, log_first_step, summarize
 from .engine.tag_keys import restore_tags
@@ -745,8 +745,11 @@ class Muon(Optimizer):
             self._deferred.flush()
 
     def state_dict(self):
+        """torch's state dict; NorMuon's ``normuon_v`` of an FSDP1 flat parameter as a tuple of floats
+        (see :func:`~ds_muon.engine.row_moments.fsdp1_moments`: FSDP1's optimizer state dicts take every
+        state tensor with a dimension for a shard of the flat parameter)."""
         self.flush()
-        return super().state_dict()
+        return fsdp1_moments(super().state_dict(), self.param_groups)
 
     def load_state_dict(self, state_dict) -> None:
         """torch's load, after checking that the saved groups match these (same

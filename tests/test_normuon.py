@@ -586,3 +586,91 @@ def test_every_kind_of_matrix_under_ddp_and_fsdp2():
                     if KEY in opt.state[p]:
                         assert torch.equal(moments[n], opt.state[p][KEY]), (kind, ns, r, n, "v")
                 assert sorted(moments) == sorted(n for n, p in model.named_parameters() if p.dim() >= 2)
+
+
+# -- FSDP1's optimizer state dicts ---------------------------------------------------------------------
+def _fsdp1_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 9, bias=False), nn.Tanh(), nn.Linear(9, 5, bias=True))
+
+
+def _fsdp1_batch(t):
+    return torch.randn(4, 7, generator=torch.Generator().manual_seed(10 + t))
+
+
+def _fsdp1_worker(rank, world, orig):
+    """2 steps, FSDP.optim_state_dict (full), one more step; a fresh FSDP1 model and Muon (another seed)
+    load the full model and optimizer state dicts and take the third step again."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def build(seed):
+        fsdp = FSDP(_fsdp1_model(seed), device_id=torch.device("cpu"), use_orig_params=orig)
+        return fsdp, ds_muon.Muon(ds_muon.muon_param_groups(fsdp), model=fsdp, variant="normuon", log_summary=False)
+
+    def step(fsdp, opt, t):
+        fsdp(_fsdp1_batch(t)).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def full(fsdp, opt):
+        with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                                  FullOptimStateDictConfig(rank0_only=False)):
+            return fsdp.state_dict(), FSDP.optim_state_dict(fsdp, opt)
+
+    fsdp, opt = build(0)
+    for t in range(2):
+        step(fsdp, opt, t)
+    msd, osd = full(fsdp, opt)
+    step(fsdp, opt, 2)
+    cont, _ = full(fsdp, opt)
+    again, opt2 = build(1)
+    with FSDP.state_dict_type(again, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                              FullOptimStateDictConfig(rank0_only=False)):
+        again.load_state_dict(msd)
+        opt2.load_state_dict(FSDP.optim_state_dict_to_load(again, opt2, osd))
+    step(again, opt2, 2)
+    resumed, _ = full(again, opt2)
+    return {"continued": cont, "resumed": resumed, "saved": (msd, osd)}
+
+
+def test_fsdp1_optim_state_dict_carries_the_moment():
+    """FSDP1 (flat and ``use_orig_params=True``) at W=2: ``FSDP.optim_state_dict`` carries v (as FSDP1's
+    non-tensor state: it all-gathers every state tensor with a dimension as a flat shard and failed on it),
+    a fresh FSDP1 optimizer loading it takes step 3 bitwise the uninterrupted run's, equal to one process;
+    and the ``use_orig_params=True`` state dict (v per tensor) resumes in one process (W=1) through
+    ds_muon.convert, its Muon matrices bitwise the same step.
+
+    Not checked: the AdamW bias after an ``use_orig_params=True`` resume, which is off with plain Muon
+    too (``variant="muon"``, before NorMuon: by ~2e-4 after one step; an existing issue of AdamW state
+    in an FSDP1 flat parameter shared with Muon tensors, left to its own fix)."""
+    import dist_harness
+    from ds_muon.convert import load_named, named_state
+
+    for orig in (False, True):
+        per_rank = dist_harness.run(_fsdp1_worker, 2, orig, timeout=180)
+        with dist_harness.one_thread():
+            model = _fsdp1_model(0)
+            opt = ds_muon.Muon(ds_muon.muon_param_groups(model), variant="normuon", log_summary=False)
+            for t in range(3):
+                model(_fsdp1_batch(t)).square().sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            want = {n: p.detach() for n, p in model.named_parameters()}
+            if orig:  # W=2's full state dicts into one process, by tensor name
+                msd, osd = per_rank[0]["saved"]
+                one = _fsdp1_model(1)
+                one.load_state_dict(msd)
+                opt1 = ds_muon.Muon(ds_muon.muon_param_groups(one), variant="normuon", log_summary=False)
+                load_named(opt1, named_state(osd))
+                assert all(torch.is_tensor(opt1.state[p]["normuon_v"]) for p in (one[0].weight, one[2].weight))
+                one(_fsdp1_batch(2)).square().sum().backward()
+                opt1.step()
+                for n, p in one.named_parameters():
+                    if p.dim() >= 2:  # the Muon matrices (the AdamW bias through convert is not this test's)
+                        assert torch.equal(p.detach(), want[n]), (n, "W=1 through ds_muon.convert")
+        for r, res in enumerate(per_rank):
+            for n, w in want.items():
+                assert torch.equal(res["continued"][n], w), (orig, r, n, "continued")
+                if not orig or w.dim() >= 2:  # (FSDP1 use_orig_params=True resumes the AdamW bias off: see doc)
+                    assert torch.equal(res["resumed"][n], w), (orig, r, n, "resumed")

@@ -148,6 +148,28 @@ class RowMoments:
         return Shared(work, buf, places)
 
 
+def _fsdp1_flat(p: torch.Tensor) -> bool:
+    """An FSDP1 FlatParameter, or (``use_orig_params=True``) an original parameter viewed into one."""
+    return hasattr(p, "_fqns") or getattr(p, "_fsdp_flattened", False)
+
+
+def fsdp1_moments(state_dict: dict, groups: List[dict]) -> dict:
+    """``state_dict`` with the ``v`` of each FSDP1 flat parameter as a tuple of Python floats (exact: a
+    float32 widens to a float losslessly).  FSDP1's ``FSDP.optim_state_dict`` (and DCP over FSDP1) all-gathers
+    every state tensor with a dimension as a shard of its flat parameter; ``v`` is whole on every rank, so it
+    must travel as FSDP1's "non-tensor state", which it copies to every original parameter of the flat one
+    and, loading, takes back when they agree.  :func:`split_moments` turns it into a tensor again.  Other
+    tensors' state is left alone (the same dict objects torch returns)."""
+    params = [p for g in groups for p in g["params"]]
+    state = state_dict["state"]
+    for i, p in enumerate(params):
+        st = state.get(i)
+        if st is not None and KEY in st and torch.is_tensor(st[KEY]) and _fsdp1_flat(p):
+            st = state[i] = dict(st)
+            st[KEY] = tuple(st[KEY].tolist())
+    return state_dict
+
+
 def split_moments(state_dict: Mapping) -> Tuple[Dict, dict]:
     """``({saved id: v}, the state dict without them)`` (a shallow copy; the caller's is not touched).
     torch's ``load_state_dict`` casts every floating-point state tensor to its parameter's dtype;
@@ -170,5 +192,6 @@ def restore_moments(groups: List[dict], saved_groups: List[dict], moments: Mappi
     params = [p for g in groups for p in g["params"]]
     for pid, p in zip(saved_ids, params):
         v = moments.get(pid)
-        if v is not None:
-            state[p][KEY] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        if v is not None:  # (a tuple: an FSDP1 flat parameter's, see fsdp1_moments)
+            v = torch.as_tensor(v, dtype=torch.float32) if not torch.is_tensor(v) else v.detach()
+            state[p][KEY] = v.to(device=p.device, dtype=torch.float32, copy=True)

@@ -44,12 +44,16 @@ def moment_length(binding: ParamBinding) -> int:
 
 
 def _offset(binding: ParamBinding, slot: MatrixSlot) -> int:
-    off = 0
-    for s in binding.matrices:
-        if s is slot:
-            return off
-        off += _slot_neurons(s)
-    raise AssertionError("ds_muon: a layout's slot is not one of its binding's")
+    """Where ``slot``'s moment starts in its tensor's ``normuon_v`` (offsets made once per binding: a flat
+    partition lists thousands of matrices)."""
+    offsets = binding.__dict__.get("_normuon_offsets")
+    if offsets is None:
+        offsets, off = {}, 0
+        for s in binding.matrices:
+            offsets[id(s)] = off
+            off += _slot_neurons(s)
+        binding.__dict__["_normuon_offsets"] = offsets
+    return offsets[id(slot)]
 
 
 def moment_of(layout: Layout, i: int, state: Mapping) -> torch.Tensor:

@@ -674,3 +674,56 @@ def test_fsdp1_optim_state_dict_carries_the_moment():
                 assert torch.equal(res["continued"][n], w), (orig, r, n, "continued")
                 if not orig or w.dim() >= 2:  # (FSDP1 use_orig_params=True resumes the AdamW bias off: see doc)
                     assert torch.equal(res["resumed"][n], w), (orig, r, n, "resumed")
+
+
+# -- 2-D meshes at W=4: HSDP (one home per matrix in the world) and FSDP2 x TP with split rows ----------
+def _mesh_worker(rank, world):
+    from test_mesh import OPTS, GatedMLP, _split, _wrap, record
+
+    out = []
+    for kind, split in (("hsdp", False), ("fsdp_tp", True)):
+        for ns_dtype in (torch.float32, torch.bfloat16):
+            model = GatedMLP()
+            init = {n: p.detach().clone() for n, p in model.named_parameters()}
+            _wrap(kind, model)
+            if split:
+                _split(model)
+            opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype,
+                               planner="locality", variant="normuon", normuon_beta2=0.5, log_summary=False)
+            grads, params = record(model, opt)
+            names = {id(p): n for n, p in model.named_parameters()}
+            moments = {names[id(p)]: st[KEY].clone() for p, st in opt.state.items() if KEY in st}
+            out.append(dict(init=init, grads=grads, params=params[-1], moments=moments, split=split))
+    return out
+
+
+def test_hsdp_and_fsdp_tp_split_rows_at_w4():
+    """HSDP 2x2 and FSDP2 x TP 2x2 with split_rows blocks across shard borders (tests/test_mesh.py's
+    set-up), fp32 and bf16 NS: every rank's parameters and v ``torch.equal`` to one process fed the
+    gradients the sharded run saw (TP sums its forward in another order, so the gradients are recorded)."""
+    import dist_harness
+    from test_mesh import OPTS, GatedMLP, _split
+
+    per_rank = dist_harness.run(_mesh_worker, 4, timeout=240)
+    for c in range(len(per_rank[0])):
+        for r, res in enumerate(per_rank):
+            res = res[c]
+            with dist_harness.one_thread():
+                model = GatedMLP()
+                if res["split"]:
+                    _split(model)
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(res["init"][n])
+                ns_dtype = (torch.float32, torch.bfloat16)[c % 2]
+                opt = ds_muon.Muon(ds_muon.muon_param_groups(model, **OPTS), momentum=0.9, ns_dtype=ns_dtype,
+                                   variant="normuon", normuon_beta2=0.5, log_summary=False)
+                for g in res["grads"]:
+                    for n, p in model.named_parameters():
+                        p.grad = g[n].clone()
+                    opt.step()
+            for n, p in model.named_parameters():
+                assert torch.equal(res["params"][n], p.detach()), (c, r, n)
+                if KEY in opt.state[p]:
+                    assert torch.equal(res["moments"][n], opt.state[p][KEY]), (c, r, n, "v")
+            assert sorted(res["moments"]) == sorted(n for n, p in model.named_parameters() if KEY in opt.state[p])

@@ -172,6 +172,39 @@ def test_resume_in_fresh_optimizer_bitwise():
             assert not torch.equal(pa, pc), n
 
 
+def test_rule_invariants_on_drawn_matrices():
+    """rules/normuon.normalize on 40 seeded shapes (1-wide, tall, wide), dtypes and β₂: the result keeps
+    O's Frobenius norm and dtype; with β₂ = 0 every row ends with the same RMS (the paper's aim); an
+    [in, out] matrix is its transpose's update transposed; v is not written; a zero O (a step with zero
+    gradients, as DeepSpeed's first) stays zero without NaN."""
+    from ds_muon.rules.normuon import normalize
+
+    rng = random.Random(7)
+    for _ in range(40):
+        m, n = rng.choice((1, 2, 5, 16, 33)), rng.choice((1, 3, 8, 24))
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        beta2 = rng.choice((0.0, 0.5, 0.95))
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        o = (torch.randn(m, n, generator=g) * torch.rand(m, 1, generator=g) * 3).to(dtype)
+        v = torch.rand(m, generator=g)
+        v0 = v.clone()
+        out, v_new = normalize(o, v, beta2)
+        assert out.dtype == dtype and out.shape == o.shape and torch.equal(v, v0)
+        torch.testing.assert_close(v_new.double(), beta2 * v0.double() + (1 - beta2) * o.double().square().mean(1),
+                                   rtol=1e-5, atol=1e-7)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert abs(float(out.double().norm() / o.double().norm()) - 1) < tol
+        if beta2 == 0.0 and dtype == torch.float32:
+            rms = normalize(o, torch.zeros(m), 0.0)[0].double().square().mean(1).sqrt()
+            torch.testing.assert_close(rms, rms.mean().expand(m), rtol=1e-4, atol=0)
+        t_out, t_v = normalize(o.t().contiguous(), v, beta2, transposed=True)
+        torch.testing.assert_close(t_out.t().float(), out.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                                   atol=1e-6)
+        torch.testing.assert_close(t_v, v_new, rtol=1e-5, atol=1e-7)
+        zero, vz = normalize(torch.zeros(m, n, dtype=dtype), v, beta2)
+        assert torch.equal(zero, torch.zeros_like(zero)) and not vz.isnan().any()
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("variant", "adam", r"param_groups\[1\]: variant='adam' is unknown; use one of \['muon', 'normuon'\]"),
     ("normuon_beta2", 1.0, r"param_groups\[1\]: normuon_beta2 must be a finite number in \[0.0, 1.0\)"),

@@ -161,10 +161,11 @@ class Muon(Optimizer):
         self._reset_runtime()
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            weight_decay_mode=weight_decay_mode, variant=variant, normuon_beta2=normuon_beta2, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
+            weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
             ns_method=ns_method, compile=compile,
             ns_dtype=dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor, use_muon=True,
+            variant=variant, normuon_beta2=normuon_beta2,  # NorMuon (ds_muon.rules.normuon)
         )
         super().__init__(params, defaults)
         self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.engine.identity)

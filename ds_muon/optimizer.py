@@ -94,6 +94,9 @@ class Muon(Optimizer):
     with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
     ranks, each orthogonalizing a column block (:mod:`~ds_muon.engine.team`; not bitwise equal to one
     process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
+    ``variant="normuon"`` (per group too; default ``"muon"``) divides each output neuron's row of the NS
+    result by the root of its running mean square (``normuon_beta2``) and restores the matrix's norm
+    (:mod:`~ds_muon.rules.normuon`; its state, ``normuon_v``: :mod:`~ds_muon.engine.row_moments`).
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """

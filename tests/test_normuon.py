@@ -443,12 +443,32 @@ def _zero_worker(rank, world, root, runs):
     return out
 
 
+def _zero_universal_worker(rank, world, root, runs):
+    """Load each run's universal checkpoint (``"load_universal": true``) into a fresh engine, take step 3."""
+    import os
+
+    from ds_muon import deepspeed as ds_muon_deepspeed
+    from test_deepspeed import PARAMS, ds_config, full_fp32, make_model, train
+
+    out = {}
+    for stage, ns in runs:
+        cfg = ds_config(stage, params=dict(PARAMS, ns_dtype=ns, **NORMUON_PARAMS))
+        cfg["checkpoint"] = {"load_universal": True}
+        engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=cfg)
+        engine.load_checkpoint(os.path.join(root, f"z{stage}_{ns}"), tag="k_universal")
+        moments = sum(1 for s in engine.basic_optimizer.state.values() if KEY in s)
+        train(engine, 1, start=2)
+        out[(stage, ns)] = (full_fp32(engine), moments)
+    return out
+
+
 @pytest.mark.timeout(400)
 def test_zero3_bitwise_and_deepspeed_checkpoint_resume(tmp_path):
     """ZeRO-3 at W=2, NS in fp32 and bf16: the fp32 master weights ``torch.equal`` to one process
     (NorMuon through the DsMuon JSON), both ranks holding the same v; ZeRO-3 (bf16 NS) and ZeRO-2
     (fp32 NS) ``save_checkpoint`` after step 2, ``load_checkpoint`` into a fresh engine: step 3 is
-    bitwise the uninterrupted run's (v came back: a zero v would change it)."""
+    bitwise the uninterrupted run's (v came back: a zero v would change it); and both checkpoints, converted
+    with ``zero_to_universal``, load at W=1 (``"load_universal": true``) and step 3 is bitwise W=2's."""
     pytest.importorskip("deepspeed")
     import dist_harness
     from test_deepspeed import ENV, PARAMS, reference
@@ -468,13 +488,21 @@ def test_zero3_bitwise_and_deepspeed_checkpoint_resume(tmp_path):
             if run[2]:
                 assert res["loaded_moments"] == len(res["moments"]), (run, rank)
     assert not torch.equal(plain["up.weight"], reference(dict(PARAMS, ns_dtype="float32", **NORMUON_PARAMS))["up.weight"])
-    # the universal conversion has no layout for v: refused before writing, never dropped unseen
+    # the universal conversion (one normuon_v file per flat partition beside zero/), loaded at W=1: step 3
+    # bitwise the W=2 run's (the W=2 gradient is the mean of two equal ones: exact)
     from ds_muon.integrations.deepspeed_universal import zero_to_universal
-    for stage, ns in ((2, "float32"), (3, "bfloat16")):
-        out = tmp_path / f"universal_z{stage}"
-        with pytest.raises(NotImplementedError, match="normuon_v.*no universal layout"):
-            zero_to_universal(str(tmp_path / f"z{stage}_{ns}" / "k"), str(out))
-        assert not (out / "zero").exists()
+    resumed = [(stage, ns) for stage, ns, resume in runs if resume]
+    for stage, ns in resumed:
+        src = tmp_path / f"z{stage}_{ns}"
+        zero_to_universal(str(src / "k"), str(src / "k_universal"))
+        assert (src / "k_universal" / "normuon_v").is_dir()
+        assert not any((src / "k_universal" / "zero").glob("*/normuon_v.pt"))  # never as a per-element file
+    (at_one,) = dist_harness.run(_zero_universal_worker, 1, str(tmp_path), resumed, timeout=240, env=ENV)
+    for stage, ns in resumed:
+        got, moments = at_one[(stage, ns)]
+        assert moments > 0, (stage, ns)
+        for name, w in results[0][(stage, ns, True)]["params"].items():
+            assert torch.equal(got[name], w), (stage, ns, name, "universal at W=1")
 
 
 def test_convert_carries_the_moment_by_name():

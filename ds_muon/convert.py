@@ -364,7 +364,8 @@ def write_universal(model: nn.Module, muon: Muon, folder: str, config: Optional[
     if held:
         raise NotImplementedError(
             f"ds_muon.convert: {held[0]} (and {len(held) - 1} more) holds NorMuon's second moment ({NORMUON_V!r}), "
-            "which has no DeepSpeed universal layout yet; nothing was written. Convert to a torch file or DCP instead")
+            "which this writer cannot lay out per DeepSpeed flat partition yet; nothing was written. Convert to a "
+            "torch file or DCP, or convert the DeepSpeed checkpoint itself (zero_to_universal carries it)")
     with _one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         engine, _, _, _ = initialize(model=model, config=cfg)
         target = engine.basic_optimizer

@@ -10,7 +10,9 @@ checkpoint written at one world size (and ZeRO stage) loads at any other with
 ``exp_avg_sq``.  :func:`zero_to_universal` is the same conversion over whatever keys each group's
 state holds, built from DeepSpeed's own reader (``DeepSpeedCheckpoint``), fragment writer and merge;
 :func:`load_zero3_universal` is ZeRO-3's universal load over those keys (ZeRO-1/2's already reads
-whatever files a parameter's folder holds).  Tensor and pipeline parallel checkpoints are left to
+whatever files a parameter's folder holds).  NorMuon's ``normuon_v`` is no per-element key: it goes to
+``normuon_v/group<i>.pt`` beside ``zero/``, one file per flat partition (:func:`load_moments` puts it back,
+at ZeRO-1/2 through ds_muon's wrapper of the engine's universal load).  Tensor and pipeline parallel checkpoints are left to
 DeepSpeed's converter (ds_muon does not run under ZeRO with either).
 """
 

@@ -310,3 +310,73 @@ def test_zero3_and_offload_bitwise_equals_one_process():
             bad = [n for n, w in want.items() if not torch.equal(got[n], w)]
             assert not bad, f"ZeRO-3{' offload' if offload else ''} {mode} {dtype} rank {rank}: {bad}"
 
+
+
+# -- team NS: a matrix orthogonalized by two ranks, its holders' pieces decayed where they live -----------
+TEAM_MODES = ("independent", "cautious")
+
+
+def _team_opts(mode):
+    from test_team_ns import FORCE
+
+    return dict(lr=0.05, momentum=0.9, ns_dtype=torch.float32, cost_model=FORCE, weight_decay=0.2,
+                weight_decay_mode=mode, log_summary=False)
+
+
+def _team_worker(rank, world):
+    """test_team_ns's uneven flat partitions (matrices split across both ranks), the planner forced to team."""
+    from ds_muon.engine.layout import ParamBinding, slots_in_range
+    from models import HandAdapter
+    from test_team_ns import _cuts, _grads, _initial
+
+    mats = _initial()
+    offsets, pos = [], 0
+    for i, m in enumerate(mats):
+        offsets.append((f"m{i}", tuple(m.shape), pos))
+        pos += m.numel()
+    lo, hi = _cuts(pos, world)[rank]
+    out = []
+    for mode in TEAM_MODES:
+        local = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())
+        local._ds_muon_flat = True
+
+        def describe(p, name, context):
+            return ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))
+
+        opt = ds_muon.Muon([{"params": [local]}], adapter=HandAdapter(describe), **_team_opts(mode))
+        local.grad = torch.cat([g.reshape(-1) for g in _grads()])[lo:hi].clone()
+        opt.step()
+        out.append(((lo, hi), local.detach().clone(), sorted(m.key for m in opt.summary().matrices if m.team)))
+    return out
+
+
+def test_team_ns_decays_each_holders_piece():
+    """Not bitwise (team NS never is): the teamed matrices' steps within test_team_ns's fp32 bound of the
+    one-home step, every other matrix bitwise; the decay itself is each holder's (elementwise) work."""
+    from test_team_ns import BOUND, SHAPES, _grads, _initial
+
+    per_rank = dist_harness.run(_team_worker, 2, timeout=240)
+    p0 = torch.cat([m.reshape(-1) for m in _initial()])
+    spans, at = [], 0
+    for s in SHAPES:
+        spans.append((at, at + torch.Size(s).numel()))
+        at += spans[-1][1] - spans[-1][0]
+    for k, mode in enumerate(TEAM_MODES):
+        with dist_harness.one_thread():
+            mats = [nn.Parameter(m) for m in _initial()]
+            opt = ds_muon.Muon([{"params": mats}], **_team_opts(mode))
+            for p, g in zip(mats, _grads()):
+                p.grad = g
+            opt.step()
+            home = torch.cat([m.detach().reshape(-1) for m in mats]) - p0
+        full = torch.empty_like(p0)
+        for result in per_rank:
+            (lo, hi), piece, teams = result[k]
+            full[lo:hi] = piece
+        team = full - p0
+        assert "m0" in teams, teams
+        for i, (a, z) in enumerate(spans):
+            if f"m{i}" in teams:
+                assert float((team[a:z] - home[a:z]).norm() / home[a:z].norm()) <= BOUND[torch.float32], (mode, i)
+            else:
+                assert torch.equal(team[a:z], home[a:z]), (mode, i)

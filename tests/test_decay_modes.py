@@ -380,3 +380,33 @@ def test_team_ns_decays_each_holders_piece():
                 assert float((team[a:z] - home[a:z]).norm() / home[a:z].norm()) <= BOUND[torch.float32], (mode, i)
             else:
                 assert torch.equal(team[a:z], home[a:z]), (mode, i)
+
+
+# -- the rule itself, on tensors -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("factor", [1 - 0.02 * 0.1, 1 - 0.7])  # the fast multiplier, and the select (< 0.5)
+def test_cautious_decay_rule_bitwise(dtype, factor):
+    """``decay_`` with Cautious against torch.where written here: mixed signs, zeros on either side (they
+    count as agreeing), every sign agreeing (== decoupled's multiply) and none (== untouched), results in
+    bf16 and in the weights' dtype."""
+    from ds_muon.rules.decay import Cautious, decay_
+
+    g = torch.Generator().manual_seed(7)
+    p = torch.randn(300, generator=g).to(dtype)
+    p[:5] = 0
+    for u in (torch.randn(300, generator=g).bfloat16(), torch.randn(300, generator=g).to(dtype)):
+        u = u.clone()
+        u[5:10] = 0
+        for case in ("mixed", "agree", "disagree"):
+            w = p.clone() if case == "mixed" else (p.abs() + 0.5) * (1 if case == "agree" else -1) * torch.sign(
+                u.float()).to(dtype).where(u != 0, torch.ones((), dtype=dtype))
+            got = [w.clone()]
+            decay_(got, [u], Cautious(factor))
+            decayed = [w.clone()]
+            torch._foreach_mul_(decayed, factor)  # decoupled decay's multiply (in place; bf16 rounds the factor)
+            want = torch.where(w.double() * u.double() >= 0, decayed[0], w)
+            assert torch.equal(got[0], want), (case, u.dtype)
+            if case == "agree":
+                assert torch.equal(got[0], decayed[0])
+            if case == "disagree":
+                assert torch.equal(got[0], w) if (u != 0).all() else True

@@ -19,9 +19,9 @@ the orthogonalized result at the apply (NS output, after any rule that reshapes 
 the ``-lr * scale`` factor, whose sign is fixed), for an AdamW tensor the new first moment
 ``m_t`` (the sign of ``m_t / (sqrt(v_t) + eps)``).  The mask is read on the weight *before*
 this step's decay and update, ``p * u >= 0`` in the product's dtype (zero counts as
-agreeing), as dion's ``min(sign(X * U) + 1, 1)``.  A decayed element gets the same bits as
-decoupled decay would give it (the same multiply), so with every sign agreeing cautious
-equals decoupled bitwise.
+agreeing; the product in float32, or wider), as dion's ``min(sign(X * U) + 1, 1)``.  A decayed
+element gets the same bits as decoupled decay would give it (the same multiply), so with every
+sign agreeing cautious equals decoupled bitwise.
 """
 
 from __future__ import annotations
@@ -66,10 +66,28 @@ def decay_(params: List[torch.Tensor], directions: List[torch.Tensor], decay: De
     if not isinstance(decay, Cautious):
         torch._foreach_mul_(params, decay)
         return
-    agree = torch._foreach_mul(params, directions)  # signs of p * u (promoted dtype)
-    decayed = torch._foreach_mul(params, decay.factor)  # the bits decoupled decay gives
-    for p, a, d in zip(params, agree, decayed):
-        p.copy_(torch.where(a >= 0, d, p))
+    # p * u in float32 (or wider): u copied there first, then multiplied in place (a product of mixed
+    # dtypes, fp32 weights by a bf16 result, is several times slower on CPU)
+    signs = [torch.empty(p.shape, dtype=torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32),
+                         device=p.device).copy_(u) for p, u in zip(params, directions)]
+    torch._foreach_mul_(signs, params)
+    dtypes = {p.dtype for p in params}
+    # the value decoupled decay's multiply uses: torch._foreach_mul_ (in place) rounds its scalar to the
+    # weights' dtype (bf16: 0.998 -> 0.99609375; torch's out-of-place multiplies keep it in float32)
+    factor = torch.tensor(decay.factor, dtype=dtypes.pop()).item() if len(dtypes) == 1 else None
+    if factor is not None and 0.5 <= factor <= 1.0:
+        # the multiplier 1 + agree * (factor - 1) is exactly factor or 1 (factor - 1 is exact: Sterbenz),
+        # so a decayed element gets the bits decoupled decay gives it; cheaper than torch.where on CPU
+        for s in signs:
+            s.ge_(0)
+        torch._foreach_mul_(signs, factor - 1.0)
+        torch._foreach_add_(signs, 1.0)
+        torch._foreach_mul_(params, signs)
+        return
+    decayed = [p.clone() for p in params]  # lr * weight_decay above 0.5: the plain select
+    torch._foreach_mul_(decayed, decay.factor)  # (in place: torch's out-of-place form rounds bf16 otherwise)
+    for p, s, d in zip(params, signs, decayed):
+        p.copy_(torch.where(s >= 0, d, p))
 
 
 def adamw_decay_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],

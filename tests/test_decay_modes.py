@@ -221,7 +221,19 @@ def decay_case(index: int, stack: Stack) -> Case:
 
 
 def _stack_worker(rank, world, name):
-    return [run_case(decay_case(i, STACKS[name])) for i in range(len(CASES))]
+    out = [run_case(decay_case(i, STACKS[name])) for i in range(len(CASES))]
+    if name == "ddp":  # the mode is one of the settings every rank must agree on
+        model = _model()
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, weight_decay=0.1),
+                           weight_decay_mode=("cautious", "independent")[rank], log_summary=False)
+        model(torch.randn(2, 8)).sum().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+            out.append(None)
+        except ValueError as e:
+            out.append((str(e), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))))
+    return out
 
 
 def _check_against_reference(name, per_rank):
@@ -249,6 +261,11 @@ def test_stack_bitwise_equals_one_process(name):
         pytest.importorskip("deepspeed")
     per_rank = dist_harness.run(_stack_worker, 2, name, timeout=300, env=ZERO_ENV if name == "zero2" else None)
     _check_against_reference(name, per_rank)
+    if name == "ddp":  # ranks with other modes: refused on every rank, naming the setting, nothing changed
+        for results in per_rank:
+            msg, unchanged = results[len(CASES)]
+            assert unchanged and "param_groups[0]['weight_decay_mode'] is 'cautious' on rank 0, 'independent' on " \
+                                 "rank 1" in msg, msg
 
 
 def test_apply_in_forward_bitwise_equals_the_step():
@@ -280,7 +297,7 @@ def _z3_params(mode, dtype):
                 ns_dtype=str(dtype).replace("torch.", ""))
 
 
-def _zero3_worker(rank, world):
+def _zero3_worker(rank, world, path):
     from test_deepspeed import ds_config, full_fp32, make_model, train
 
     from ds_muon import deepspeed as ds_muon_deepspeed
@@ -294,21 +311,42 @@ def _zero3_worker(rank, world):
         train(engine, 3)
         modes = sorted({g["weight_decay_mode"] for g in engine.basic_optimizer.param_groups})
         out.append((full_fp32(engine), modes))
-    return out
+    # resume: DeepSpeed's checkpoint after 2 steps, loaded into a fresh engine (other initial weights)
+    # built from a JSON with the default mode: the checkpoint's groups bring the mode back
+    mode, dtype, _ = Z3_CASES[3]
+    engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=ds_config(3, params=_z3_params(mode, dtype)))
+    train(engine, 2)
+    engine.save_checkpoint(path, tag="t2")
+    torch.manual_seed(123)
+    other = type(make_model())()
+    engine2, _, _, _ = ds_muon_deepspeed.initialize(model=other, config=ds_config(3, params=_z3_params("decoupled", dtype)))
+    engine2.load_checkpoint(path, tag="t2")
+    modes = sorted({g["weight_decay_mode"] for g in engine2.basic_optimizer.param_groups})
+    train(engine2, 1, start=2)
+    return out, (full_fp32(engine2), modes)
 
 
-def test_zero3_and_offload_bitwise_equals_one_process():
+def test_zero3_and_offload_bitwise_equals_one_process(tmp_path):
+    """ZeRO-3 through the DsMuon JSON, every mode (CASES) and two offloaded to the host, against one process
+    built from the same JSON params, bitwise; then a DeepSpeed checkpoint resume (cautious, bf16 NS) into a
+    fresh engine whose JSON says decoupled: the checkpoint's groups carry the mode, steps 3.. bitwise."""
     pytest.importorskip("deepspeed")
     from test_deepspeed import ENV, reference
 
-    per_rank = dist_harness.run(_zero3_worker, 2, timeout=400, env=ENV)
+    per_rank = dist_harness.run(_zero3_worker, 2, str(tmp_path), timeout=400, env=ENV)
     for k, (mode, dtype, offload) in enumerate(Z3_CASES):
         want = reference(_z3_params(mode, dtype))
-        for rank, results in enumerate(per_rank):
+        for rank, (results, _) in enumerate(per_rank):
             got, modes = results[k]
             assert modes == [mode], (mode, modes)  # the JSON's mode reached every group
             bad = [n for n, w in want.items() if not torch.equal(got[n], w)]
             assert not bad, f"ZeRO-3{' offload' if offload else ''} {mode} {dtype} rank {rank}: {bad}"
+    mode, dtype, _ = Z3_CASES[3]
+    want = reference(_z3_params(mode, dtype))  # 3 steps straight
+    for rank, (_, (got, modes)) in enumerate(per_rank):
+        assert modes == [mode], modes
+        bad = [n for n, w in want.items() if not torch.equal(got[n], w)]
+        assert not bad, f"ZeRO-3 resume {mode} rank {rank}: {bad}"
 
 
 

@@ -68,26 +68,31 @@ def decay_(params: List[torch.Tensor], directions: List[torch.Tensor], decay: De
         return
     # p * u in float32 (or wider): u copied there first, then multiplied in place (a product of mixed
     # dtypes, fp32 weights by a bf16 result, is several times slower on CPU)
-    signs = [torch.empty(p.shape, dtype=torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32),
+    agree = [torch.empty(p.shape, dtype=torch.promote_types(torch.promote_types(p.dtype, u.dtype), torch.float32),
                          device=p.device).copy_(u) for p, u in zip(params, directions)]
-    torch._foreach_mul_(signs, params)
-    dtypes = {p.dtype for p in params}
-    # the value decoupled decay's multiply uses: torch._foreach_mul_ (in place) rounds its scalar to the
-    # weights' dtype (bf16: 0.998 -> 0.99609375; torch's out-of-place multiplies keep it in float32)
-    factor = torch.tensor(decay.factor, dtype=dtypes.pop()).item() if len(dtypes) == 1 else None
-    if factor is not None and 0.5 <= factor <= 1.0:
-        # the multiplier 1 + agree * (factor - 1) is exactly factor or 1 (factor - 1 is exact: Sterbenz),
-        # so a decayed element gets the bits decoupled decay gives it; cheaper than torch.where on CPU
-        for s in signs:
-            s.ge_(0)
-        torch._foreach_mul_(signs, factor - 1.0)
-        torch._foreach_add_(signs, 1.0)
-        torch._foreach_mul_(params, signs)
+    torch._foreach_mul_(agree, params)
+    for a in agree:
+        a.ge_(0)  # 1 where p * u >= 0, else 0
+    exact = 0.5 <= decay.factor <= 1.0  # (p * factor is then within 2x of p: Sterbenz)
+    if exact and all(a.dtype == p.dtype for a, p in zip(agree, params)):
+        # fp32/fp64 weights: multiply by 1 + agree * (factor - 1), which is exactly factor (as a multiply
+        # of these weights by it rounds it: factor - 1 is exact) or 1; the fastest form on CPU
+        factor = torch.tensor(decay.factor, dtype=params[0].dtype).item()
+        torch._foreach_mul_(agree, factor - 1.0)
+        torch._foreach_add_(agree, 1.0)
+        torch._foreach_mul_(params, agree)
         return
-    decayed = [p.clone() for p in params]  # lr * weight_decay above 0.5: the plain select
-    torch._foreach_mul_(decayed, decay.factor)  # (in place: torch's out-of-place form rounds bf16 otherwise)
-    for p, s, d in zip(params, signs, decayed):
-        p.copy_(torch.where(s >= 0, d, p))
+    # bf16/fp16 weights: decoupled decay's own multiply (in place, on CPU, it rounds the factor to the
+    # weights' dtype; torch's other multiplies do not), then p + agree * (p * factor - p), exact too
+    steps = [p.clone() for p in params]
+    torch._foreach_mul_(steps, decay.factor)
+    if exact:
+        torch._foreach_sub_(steps, params)
+        torch._foreach_mul_(steps, agree)
+        torch._foreach_add_(params, steps)
+        return
+    for p, a, d in zip(params, agree, steps):  # lr * weight_decay above 0.5: the plain select
+        p.copy_(torch.where(a.bool(), d, p))
 
 
 def adamw_decay_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],

@@ -18,10 +18,10 @@ Cautious, exactly: ``u`` is the update *direction* the step subtracts — for a 
 the orthogonalized result at the apply (NS output, after any rule that reshapes it, before
 the ``-lr * scale`` factor, whose sign is fixed), for an AdamW tensor the new first moment
 ``m_t`` (the sign of ``m_t / (sqrt(v_t) + eps)``).  The mask is read on the weight *before*
-this step's decay and update, ``p * u >= 0`` in the product's dtype (zero counts as
-agreeing; the product in float32, or wider), as dion's ``min(sign(X * U) + 1, 1)``.  A decayed
-element gets the same bits as decoupled decay would give it (the same multiply), so with every
-sign agreeing cautious equals decoupled bitwise.
+this step's decay and update: ``p * u >= 0``, the product taken in float32 (or wider), zero
+counting as agreeing, as dion's ``min(sign(X * U) + 1, 1)``.  A decayed element gets the same
+bits as decoupled decay would give it, so with every sign agreeing cautious equals decoupled
+bitwise.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def decay_of(mode: str, lr, weight_decay: float) -> Decay:
     reads it)."""
     if not weight_decay or mode == "l2":
         return None
+    if torch.is_tensor(lr):  # torch.optim allows a 1-element tensor lr
+        lr = lr.item()
     if mode == "independent":
         return 1 - weight_decay
     if mode == "decoupled":

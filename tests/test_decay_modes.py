@@ -3,11 +3,13 @@
 ``independent`` is ``p <- p * (1 - wd)`` (not tied to lr, as NVIDIA Emerging-Optimizers); ``cautious``
 is ``p <- p * (1 - lr * wd)`` only where ``p * u >= 0`` (u: the update direction the step subtracts, the
 orthogonalized result for Muon, the new first moment for AdamW; as dion's ``cautious_wd``).
-One-process results are checked against references written here from those formulas; then one
-spawned W=2 job per stack (DDP, FSDP1 flat with mixed flat shards, FSDP2, ZeRO-2 from
+One-process results are checked against references written here from those formulas (and the rule
+itself against ``torch.where`` bitwise); resume from a state dict into a fresh optimizer is bitwise;
+then one spawned W=2 job per stack (DDP, FSDP1 flat with mixed flat shards, FSDP2, ZeRO-2 from
 ``tests/fuzz_stacks.py``'s builders; ZeRO-3 and ZeRO-3 with the optimizer offloaded to the host
-from ``tests/test_deepspeed.py``'s set-up, through the DsMuon JSON) runs every mode with fp32 and bf16
-NS and must equal one process bitwise.
+from ``tests/test_deepspeed.py``'s set-up, through the DsMuon JSON, with a DeepSpeed checkpoint
+resume) runs every mode with fp32 and bf16 NS and must equal one process bitwise; overlap's
+``apply_in_forward`` equals the plain step bitwise; team NS stays within test_team_ns's bound.
 """
 
 from __future__ import annotations

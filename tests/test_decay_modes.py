@@ -15,6 +15,7 @@ resume) runs every mode with fp32 and bf16 NS and must equal one process bitwise
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -199,21 +200,26 @@ def test_bad_modes_are_refused_naming_the_key():
 MODEL = ModelSpec(((Leaf("linear", (12, 8), bias=True), Leaf("norm", (12,))),
                    (Leaf("linear", (17, 12)), Leaf("embed", (9, 5))),
                    (Leaf("linear", (5, 17), bias=True), Leaf("head", (4, 5)))))
-# (mode, NS dtype, overlap): every mode, fp32 and bf16 NS for the new ones, overlapped waves once
-CASES = [("independent", torch.float32, False), ("independent", torch.bfloat16, True),
-         ("cautious", torch.float32, True), ("cautious", torch.bfloat16, False),
-         ("decoupled", torch.bfloat16, False), ("l2", torch.float32, False)]
+# (mode, NS dtype, overlap, more Muon settings): every mode, fp32 and bf16 NS for the new ones,
+# overlapped waves twice; and, once Muon has NorMuon (the NorMuon engineer's), the new modes with it
+# (cautious reads the sign of the result NorMuon has normalized)
+CASES = [("independent", torch.float32, False, ()), ("independent", torch.bfloat16, True, ()),
+         ("cautious", torch.float32, True, ()), ("cautious", torch.bfloat16, False, ()),
+         ("decoupled", torch.bfloat16, False, ()), ("l2", torch.float32, False, ())]
+if "variant" in inspect.signature(ds_muon.Muon.__init__).parameters:
+    CASES += [("cautious", torch.bfloat16, True, (("variant", "normuon"),)),
+              ("independent", torch.float32, False, (("variant", "normuon"),))]
 STACKS = {"ddp": Stack("ddp", 2), "fsdp2": Stack("fsdp2", 2, (("wrap_units", (0, 2)), ("reshard_after_forward", True))),
           "fsdp1": Stack("fsdp1", 2, (("use_orig_params", False), ("nested", True))),  # mixed flat shards
           "zero2": Stack("zero", 2, (("stage", 2),))}
 
 
 def decay_case(index: int, stack: Stack) -> Case:
-    mode, ns_dtype, overlap = CASES[index]
+    mode, ns_dtype, overlap, more = CASES[index]
     muon = (("momentum", 0.9), ("nesterov", True), ("weight_decay_mode", mode), ("ns_steps", 5),
             ("ns_coefficients", "keller"), ("ns_method", "standard"), ("ns_dtype", ns_dtype),
             ("scale_mode", "shape_scaling"), ("extra_scale_factor", 1.0), ("adam_betas", (0.9, 0.95)),
-            ("adam_eps", 1e-8))
+            ("adam_eps", 1e-8)) + more
     equivalent = ()
     if overlap:
         equivalent = (("overlap", True), ("waves", 2), ("dispatch_in_backward", stack.kind != "zero"))
@@ -288,7 +294,7 @@ def test_apply_in_forward_bitwise_equals_the_step():
 
 
 # -- ZeRO-3 (and ZeRO-3 offloaded to the host) through the DsMuon JSON --------------------------------
-Z3_CASES = [(mode, dtype, False) for mode, dtype, _ in CASES] + [("cautious", "bfloat16", True),
+Z3_CASES = [(mode, dtype, False) for mode, dtype, _, more in CASES if not more] + [("cautious", "bfloat16", True),
                                                                   ("independent", "float32", True)]
 
 

@@ -1,0 +1,253 @@
+"""LogitRecorder: S_max per query head recorded through transformers' attention registry.
+
+The reference is written here from the attention's definition: q and k from the module's own projections
+(rotary applied by hand with the cos/sin the module receives), scores q·kᵀ·scaling in fp32, allowed where
+the key is not padding, not in the future and (sliding window) ``i - j < W``; S_max = max per head.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ds_muon.models.attention_logits import PREFIX, LogitRecorder  # noqa: E402
+
+VOCAB, SEQ = 64, 12
+
+
+def _llama(seed=0, **over):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, max_position_embeddings=4 * SEQ, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**kw, **over}))
+
+
+def _qwen2(seed=0, **over):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4 * SEQ, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{**kw, **over}))
+
+
+def _mistral(seed=0, **over):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=4 * SEQ, sliding_window=5,
+              tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return MistralForCausalLM(MistralConfig(**{**kw, **over}))
+
+
+FAMILIES = {
+    "llama": _llama,
+    "llama_gqa": lambda seed=0: _llama(seed, num_attention_heads=8, num_key_value_heads=2),
+    "qwen2": _qwen2,
+    "mistral_window": _mistral,
+}
+
+
+def _model(family, impl, inflate=4.0, seed=0):
+    """A tiny model whose query weights are inflated, so the logits are large and the mask matters."""
+    model = FAMILIES[family](seed)
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "q_proj"):
+                module.q_proj.weight.mul_(inflate)
+    return model
+
+
+def _batch(seed=0, batch=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    mask[1, :3] = 0   # left padding
+    mask[2, -4:] = 0  # right padding
+    return ids, mask
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _capture_inputs(model):
+    """Each attention module's hidden_states and (cos, sin), as it receives them."""
+    seen, handles = {}, []
+    for name, module in model.named_modules():
+        if hasattr(module, "q_proj") and hasattr(module, "k_proj"):
+            def hook(mod, args, kwargs, name=name):
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                seen.setdefault(name, []).append((hidden.detach(), kwargs["position_embeddings"]))
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    return seen, handles
+
+
+def _reference(model, seen, pad_mask, apply_mask=True):
+    """S_max per head written from the definition (fp32)."""
+    config = model.config
+    out = {}
+    for name, calls in seen.items():
+        module = model.get_submodule(name)
+        hq, hkv = config.num_attention_heads, config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+        window = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
+        best = torch.full((hq,), float("-inf"))
+        for hidden, (cos, sin) in calls:
+            b, length, _ = hidden.shape
+            with torch.no_grad():
+                q = module.q_proj(hidden).float().view(b, length, hq, dim).transpose(1, 2)
+                k = module.k_proj(hidden).float().view(b, length, hkv, dim).transpose(1, 2)
+            cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            k = k.repeat_interleave(hq // hkv, dim=1)  # query head h reads key head h // groups
+            scores = q @ k.transpose(-1, -2) * dim ** -0.5
+            if apply_mask:
+                i = torch.arange(length)[:, None]
+                j = torch.arange(length)[None, :]
+                allowed = (j <= i) & pad_mask.bool()[:, None, None, :]
+                if window is not None:
+                    allowed = allowed & (i - j < window)
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+        out[name] = best
+    return out
+
+
+def _loss_and_grads(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama_gqa", "mistral_window"])
+def test_outputs_bitwise_unchanged(family, impl):
+    model = _model(family, impl)
+    ids, mask = _batch()
+    off = _loss_and_grads(model, ids, mask)
+    recorder = LogitRecorder(model)
+    assert model.config._attn_implementation == PREFIX + impl
+    on = _loss_and_grads(model, ids, mask)
+    assert torch.isfinite(torch.stack(list(recorder.maxima().values()))).all()
+    recorder.remove()
+    assert model.config._attn_implementation == impl
+    again = _loss_and_grads(model, ids, mask)
+    for a, b, c in ((off[0], on[0], again[0]), (off[1], on[1], again[1])):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert all(torch.equal(a, b) for a, b in zip(off[2], on[2]))
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "no_mask"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_maxima_equal_reference(family, impl, padded):
+    """Padded batches, and batches with no mask given (SDPA then gets none and relies on is_causal)."""
+    model = _model(family, impl)
+    ids, mask = _batch()
+    if not padded:
+        mask = torch.ones_like(mask)
+    recorder = LogitRecorder(model)
+    seen, handles = _capture_inputs(model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask if padded else None)
+    for h in handles:
+        h.remove()
+    got = recorder.maxima()
+    want = _reference(model, seen, mask)
+    unmasked = _reference(model, seen, mask, apply_mask=False)
+    assert list(got) == list(want) and len(got) == model.config.num_hidden_layers
+    # the test can tell a recorder that ignores the mask from one that reads it
+    assert any(not torch.allclose(want[n], unmasked[n]) for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+        assert recorder.heads(name) == (model.config.num_attention_heads, model.config.num_key_value_heads,
+                                        model.get_submodule(name).head_dim)
+    recorder.remove()
+
+
+def test_max_over_batches_reset_and_chunks():
+    model = _model("llama_gqa", "sdpa")
+    (ids_a, mask_a), (ids_b, mask_b) = _batch(1), _batch(2)
+    recorder = LogitRecorder(model, chunk_elements=1)  # one query row per chunk
+    assert all(torch.equal(m, torch.full((8,), float("-inf"))) for m in recorder.maxima().values())
+    seen, handles = _capture_inputs(model)
+    with torch.no_grad():
+        model(input_ids=ids_a, attention_mask=mask_a)
+        first = _reference(model, seen, mask_a)
+        seen.clear()
+        model(input_ids=ids_b, attention_mask=mask_b)
+        second = _reference(model, seen, mask_b)
+    for h in handles:
+        h.remove()
+    for name, got in recorder.maxima().items():
+        torch.testing.assert_close(got, torch.maximum(first[name], second[name]), rtol=1e-5, atol=1e-5)
+    recorder.reset()
+    assert all(torch.isneginf(m).all() for m in recorder.maxima().values())
+    recorder.remove()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_gradient_checkpointing_records_the_same(impl):
+    ids, mask = _batch()
+    results = []
+    for checkpointing in (False, True):
+        model = _model("llama_gqa", impl)
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        recorder = LogitRecorder(model)
+        calls, record = [], recorder._record
+        recorder._record = lambda name, *a: (calls.append(name), record(name, *a))
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        after_forward = recorder.maxima()
+        loss.backward()  # checkpointing runs every attention forward a second time here
+        assert len(calls) == model.config.num_hidden_layers * (2 if checkpointing else 1)
+        results.append((after_forward, recorder.maxima(), loss.detach()))
+        recorder.remove()
+    (fwd_plain, plain, loss_plain), (fwd_ckpt, ckpt, loss_ckpt) = results
+    assert torch.equal(loss_plain, loss_ckpt)
+    for name in plain:
+        assert torch.equal(plain[name], ckpt[name])
+        assert torch.equal(fwd_ckpt[name], ckpt[name])
+
+
+def test_install_is_idempotent_and_remove_restores():
+    model = _model("llama", "eager")
+    recorder = LogitRecorder(model)
+    assert LogitRecorder(model) is recorder
+    ids, mask = _batch()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    recorded = recorder.maxima()
+    recorder.remove()
+    recorder.remove()  # twice is harmless
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask * 0 + 1)
+    assert all(torch.equal(recorded[n], m) for n, m in recorder.maxima().items())
+    fresh = LogitRecorder(model)
+    assert fresh is not recorder and all(torch.isneginf(m).all() for m in fresh.maxima().values())
+    fresh.remove()
+
+
+@pytest.mark.parametrize("impl", ["flash_attention_2", "flex_attention", "paged|eager"])
+def test_other_implementations_refused_before_any_change(impl):
+    model = _model("llama", "eager")
+    model.config._attn_implementation_internal = impl
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.*set_attn_implementation"):
+        LogitRecorder(model)
+    assert model.config._attn_implementation == impl
+
+
+def test_model_without_attention_refused():
+    with pytest.raises(ValueError, match="no attention module"):
+        LogitRecorder(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -45,7 +45,35 @@ def _mistral(seed=0, **over):
     return MistralForCausalLM(MistralConfig(**{**kw, **over}))
 
 
+def _gemma2(seed=0, **over):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    # soft-capped logits (cap 0.05, below the largest logits of this init), a query_pre_attn_scalar scaling, and layers
+    # alternating sliding-window (5) and full attention
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
+              attn_logit_softcapping=0.05, max_position_embeddings=4 * SEQ)
+    torch.manual_seed(seed)
+    return Gemma2ForCausalLM(Gemma2Config(**{**kw, **over}))
+
+
+def _deepseek_v3(seed=0, **over):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # MLA: low-rank q (q_lora_rank) and kv, per-head q/k parts of 8 without rotary and 4 with it
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+              n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, rope_interleave=False,
+              max_position_embeddings=4 * SEQ, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**{**kw, **over}))
+
+
+MLA = {"deepseek_v3_mla": _deepseek_v3}
+
 FAMILIES = {
+    "gemma2_softcap": _gemma2,
     "llama": _llama,
     "llama_gqa": lambda seed=0: _llama(seed, num_attention_heads=8, num_key_value_heads=2),
     "qwen2": _qwen2,
@@ -55,12 +83,13 @@ FAMILIES = {
 
 def _model(family, impl, inflate=4.0, seed=0):
     """A tiny model whose query weights are inflated, so the logits are large and the mask matters."""
-    model = FAMILIES[family](seed)
+    model = {**FAMILIES, **MLA}[family](seed)
     model.set_attn_implementation(impl)
     with torch.no_grad():
         for module in model.modules():
-            if hasattr(module, "q_proj"):
-                module.q_proj.weight.mul_(inflate)
+            q = getattr(module, "q_proj", None) or getattr(module, "q_b_proj", None)
+            if isinstance(q, torch.nn.Linear) and hasattr(module, "o_proj"):
+                q.weight.mul_(inflate)
     return model
 
 
@@ -82,7 +111,7 @@ def _capture_inputs(model):
     """Each attention module's hidden_states and (cos, sin), as it receives them."""
     seen, handles = {}, []
     for name, module in model.named_modules():
-        if hasattr(module, "q_proj") and hasattr(module, "k_proj"):
+        if hasattr(module, "o_proj") and hasattr(module, "config"):
             def hook(mod, args, kwargs, name=name):
                 hidden = kwargs.get("hidden_states", args[0] if args else None)
                 seen.setdefault(name, []).append((hidden.detach(), kwargs["position_embeddings"]))
@@ -98,6 +127,7 @@ def _reference(model, seen, pad_mask, apply_mask=True):
         module = model.get_submodule(name)
         hq, hkv = config.num_attention_heads, config.num_key_value_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+        scaling = getattr(config, "query_pre_attn_scalar", None) or dim  # Gemma 2 scales by its own scalar
         window = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
         best = torch.full((hq,), float("-inf"))
         for hidden, (cos, sin) in calls:
@@ -108,7 +138,7 @@ def _reference(model, seen, pad_mask, apply_mask=True):
             cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
             k = k.repeat_interleave(hq // hkv, dim=1)  # query head h reads key head h // groups
-            scores = q @ k.transpose(-1, -2) * dim ** -0.5
+            scores = q @ k.transpose(-1, -2) * scaling ** -0.5  # before any soft-cap
             if apply_mask:
                 i = torch.arange(length)[:, None]
                 j = torch.arange(length)[None, :]
@@ -128,8 +158,9 @@ def _loss_and_grads(model, ids, mask):
     return out.logits.detach(), out.loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", ["llama_gqa", "mistral_window"])
+@pytest.mark.parametrize("family,impl", [("llama_gqa", "eager"), ("llama_gqa", "sdpa"), ("mistral_window", "eager"),
+                                         ("mistral_window", "sdpa"), ("gemma2_softcap", "eager"),
+                                         ("deepseek_v3_mla", "eager"), ("deepseek_v3_mla", "sdpa")])
 def test_outputs_bitwise_unchanged(family, impl):
     model = _model(family, impl)
     ids, mask = _batch()
@@ -146,9 +177,15 @@ def test_outputs_bitwise_unchanged(family, impl):
     assert all(torch.equal(a, b) for a, b in zip(off[2], on[2]))
 
 
+def _families_and_impls():
+    for family in sorted(FAMILIES):
+        for impl in ("eager", "sdpa"):
+            if not (family.startswith("gemma2") and impl == "sdpa"):  # SDPA refuses soft-capping
+                yield family, impl
+
+
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "no_mask"])
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family,impl", list(_families_and_impls()))
 def test_maxima_equal_reference(family, impl, padded):
     """Padded batches, and batches with no mask given (SDPA then gets none and relies on is_causal)."""
     model = _model(family, impl)
@@ -167,10 +204,61 @@ def test_maxima_equal_reference(family, impl, padded):
     assert list(got) == list(want) and len(got) == model.config.num_hidden_layers
     # the test can tell a recorder that ignores the mask from one that reads it
     assert any(not torch.allclose(want[n], unmasked[n]) for n in want)
+    cap = getattr(model.config, "attn_logit_softcapping", None)
+    if cap is not None:  # the logit before the cap is recorded
+        assert max(m.max() for m in got.values()) > cap
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
         assert recorder.heads(name) == (model.config.num_attention_heads, model.config.num_key_value_heads,
                                         model.get_submodule(name).head_dim)
+    recorder.remove()
+
+
+def _mla_reference(model, seen, pad_mask):
+    """DeepSeek-V3 MLA, from its projections: q·k = q_nope·k_nope + q_rope·k_rope, the rotary key shared by heads."""
+    config = model.config
+    heads, nope, rope = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+    out = {}
+    for name, calls in seen.items():
+        module = model.get_submodule(name)
+        best = torch.full((heads,), float("-inf"))
+        for hidden, (cos, sin) in calls:
+            b, length, _ = hidden.shape
+            with torch.no_grad():
+                q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden))).float()
+                q = q.view(b, length, heads, nope + rope).transpose(1, 2)
+                latent, k_rope = module.kv_a_proj_with_mqa(hidden).split([config.kv_lora_rank, rope], dim=-1)
+                kv = module.kv_b_proj(module.kv_a_layernorm(latent)).float()
+                k_nope = kv.view(b, length, heads, nope + config.v_head_dim).transpose(1, 2)[..., :nope]
+            q_nope, q_rope = q[..., :nope], q[..., nope:]
+            k_rope = k_rope.float().view(b, 1, length, rope)
+            cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+            q_rope = q_rope * cos + _rotate_half(q_rope) * sin
+            k_rope = k_rope * cos + _rotate_half(k_rope) * sin
+            scores = (q_nope @ k_nope.transpose(-1, -2) + q_rope @ k_rope.transpose(-1, -2)) * (nope + rope) ** -0.5
+            i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+            allowed = (j <= i) & pad_mask.bool()[:, None, None, :]
+            best = torch.maximum(best, scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)))
+        out[name] = best
+    return out
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_mla_maxima_equal_reference(impl):
+    model = _model("deepseek_v3_mla", impl)
+    ids, mask = _batch()
+    recorder = LogitRecorder(model)
+    seen, handles = _capture_inputs(model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    got, want = recorder.maxima(), _mla_reference(model, seen, mask)
+    assert list(got) == list(want) and len(got) == 2
+    for name in want:
+        assert model.get_submodule(name).scaling == 12 ** -0.5  # no YaRN mscale in this config
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+        assert recorder.heads(name) == (4, 4, 12)
     recorder.remove()
 
 
@@ -251,3 +339,38 @@ def test_other_implementations_refused_before_any_change(impl):
 def test_model_without_attention_refused():
     with pytest.raises(ValueError, match="no attention module"):
         LogitRecorder(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_bf16_model_outputs_unchanged_and_maxima_in_fp32(impl):
+    ids, mask = _batch()
+    fp32 = _model("llama_gqa", impl)
+    reference = LogitRecorder(fp32)
+    with torch.no_grad():
+        fp32(input_ids=ids, attention_mask=mask)
+    model = _model("llama_gqa", impl).to(torch.bfloat16)
+    with torch.no_grad():
+        off = model(input_ids=ids, attention_mask=mask).logits
+        recorder = LogitRecorder(model)
+        on = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(off, on)
+    for name, got in recorder.maxima().items():
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, reference.maxima()[name], rtol=3e-2, atol=1e-2)  # bf16 q/k vs fp32 q/k
+    recorder.remove()
+    reference.remove()
+
+
+def test_two_models_record_apart():
+    one, two = _model("llama", "sdpa", seed=0), _model("llama", "sdpa", seed=1)
+    rec_one, rec_two = LogitRecorder(one), LogitRecorder(two)
+    ids, mask = _batch()
+    with torch.no_grad():
+        one(input_ids=ids, attention_mask=mask)
+    assert all(torch.isfinite(m).all() for m in rec_one.maxima().values())
+    assert all(torch.isneginf(m).all() for m in rec_two.maxima().values())
+    rec_one.remove()
+    with torch.no_grad():
+        two(input_ids=ids, attention_mask=mask)
+    assert all(torch.isfinite(m).all() for m in rec_two.maxima().values())
+    rec_two.remove()

@@ -283,6 +283,23 @@ def test_max_over_batches_reset_and_chunks():
     recorder.remove()
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 8 * 4 * 12, 1 << 24], ids=["row", "4_rows", "whole"])
+def test_maskless_causal_blocks(chunk_elements):
+    """SDPA with no mask: rows in blocks, each scored only against the keys up to its last row."""
+    model = _model("llama_gqa", "sdpa")
+    ids, mask = _batch()
+    recorder = LogitRecorder(model, chunk_elements=chunk_elements)
+    seen, handles = _capture_inputs(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    want = _reference(model, seen, torch.ones_like(mask))
+    for name, got in recorder.maxima().items():
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5)
+    recorder.remove()
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_gradient_checkpointing_records_the_same(impl):
     ids, mask = _batch()

@@ -391,3 +391,26 @@ def test_two_models_record_apart():
         two(input_ids=ids, attention_mask=mask)
     assert all(torch.isfinite(m).all() for m in rec_two.maxima().values())
     rec_two.remove()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_copies_of_a_recorded_model_run_unrecorded(impl):
+    """A deepcopy (a reference model, an EMA copy) keeps the wrapper's name in its config: it runs its own
+    attention, bitwise, and leaves the recorder's maxima alone."""
+    import copy
+
+    model = _model("llama_gqa", impl)
+    recorder = LogitRecorder(model)
+    clone = copy.deepcopy(model)
+    ids, mask = _batch()
+    with torch.no_grad():
+        mine = model(input_ids=ids, attention_mask=mask).logits
+        recorded = recorder.maxima()
+        theirs = clone(input_ids=ids * 0 + 1, attention_mask=mask).logits  # other tokens: other logits
+        again = clone(input_ids=ids, attention_mask=mask).logits
+    assert clone.config._attn_implementation == PREFIX + impl
+    assert torch.equal(mine, again) and not torch.equal(mine, theirs)
+    assert all(torch.equal(recorded[n], m) for n, m in recorder.maxima().items())
+    recorder.remove()
+    with torch.no_grad():
+        assert torch.equal(clone(input_ids=ids, attention_mask=mask).logits, mine)

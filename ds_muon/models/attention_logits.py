@@ -75,21 +75,38 @@ class _Route:
 
 # module → route; one table for every recorder, so one registered wrapper serves them all
 _ROUTES: "weakref.WeakKeyDictionary[nn.Module, _Route]" = weakref.WeakKeyDictionary()
+_UNROUTED: "weakref.WeakKeyDictionary[nn.Module, _Route]" = weakref.WeakKeyDictionary()
 
 
 def _recording_attention(module, query, key, value, attention_mask, *args, **kwargs):
     """The registered implementation: record the module's logits, then run the implementation it wraps."""
-    route = _ROUTES.get(module)
-    if route is None:
-        raise RuntimeError(
-            f"{type(module).__name__} called the ds_muon logit-recording attention but no LogitRecorder routes it "
-            "(its config was switched by a recorder of another model, or copied after install); install "
-            "LogitRecorder on the model that owns it, or set its config back with model.set_attn_implementation('sdpa')"
-        )
+    route = _ROUTES.get(module) or _unrouted(module)
     recorder = route.recorder()
     if recorder is not None:
         recorder._record(route.name, module, query, key, attention_mask, args, kwargs)
     return route.base(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _no_recorder():
+    return None
+
+
+def _unrouted(module: nn.Module) -> _Route:
+    """A module whose config names the wrapper but that no recorder routes (a deepcopy of a recorded model, a
+    model built from a recorded one's config): it runs the implementation the name wraps and records nothing."""
+    route = _UNROUTED.get(module)
+    if route is None:
+        impl = module.config._attn_implementation[len(PREFIX):]
+        forward = _dispatching_forward(module)
+        base = None
+        if forward is not None:
+            base = _eager_default(forward) if impl == "eager" else forward.__globals__["ALL_ATTENTION_FUNCTIONS"][impl]
+        if base is None:
+            raise RuntimeError(f"{type(module).__name__}: its config names the ds_muon logit-recording attention "
+                               f"({module.config._attn_implementation!r}) but its own {impl!r} attention cannot be "
+                               "found; set it back with model.set_attn_implementation('sdpa')")
+        route = _UNROUTED[module] = _Route(_no_recorder, "", base)
+    return route
 
 
 def _dispatching_forward(module: nn.Module):

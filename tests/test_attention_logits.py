@@ -414,3 +414,50 @@ def test_copies_of_a_recorded_model_run_unrecorded(impl):
     recorder.remove()
     with torch.no_grad():
         assert torch.equal(clone(input_ids=ids, attention_mask=mask).logits, mine)
+
+
+def test_installed_on_meta_then_materialized():
+    """Meta-device init (as before FSDP2's to_empty): the buffers follow the first recorded call's device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    recorder = LogitRecorder(model)
+    assert all(m.is_meta for m in recorder.maxima().values())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+        rotary, theta = model.model.rotary_emb, config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / theta ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)  # head_dim 8
+        for buffer in ("inv_freq", "original_inv_freq"):
+            if isinstance(getattr(rotary, buffer, None), torch.Tensor):
+                getattr(rotary, buffer).copy_(inv_freq)
+    ids, mask = _batch()
+    seen, handles = _capture_inputs(model)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    want = _reference(model, seen, mask)
+    for name, got in recorder.maxima().items():
+        assert got.device.type == "cpu"
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5)
+    recorder.remove()
+
+
+def test_heads_unlike_the_config_raise():
+    """A module seeing other head counts than its config (tensor-parallel heads) is refused, not misread."""
+    model = _model("llama_gqa", "sdpa")
+    recorder = LogitRecorder(model)
+    with pytest.raises(KeyError, match="not a recorded attention module"):
+        recorder.heads("model.layers.0")
+    recorder._heads["model.layers.0.self_attn"] = (4, 2, 4)  # as if the config said 4 heads of 4
+    ids, mask = _batch()
+    with pytest.raises(RuntimeError, match="model.layers.0.self_attn.*tensor-parallel"):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    recorder.remove()

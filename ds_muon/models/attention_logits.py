@@ -304,7 +304,7 @@ class LogitRecorder:
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = dim ** -0.5
-        if not float(scaling) > 0:
+        if not isinstance(scaling, torch.Tensor) and not scaling > 0:  # (a tensor is not read back: no sync)
             raise RuntimeError(f"LogitRecorder: {name!r} got scaling={scaling!r}; a positive scale is expected")
         bias = self._bias(attention_mask, k_len)
         causal = False
@@ -342,8 +342,9 @@ class LogitRecorder:
             # max(x·s) = max(x)·s for s > 0, bit for bit (rounding is monotone): one multiply per head
             best.mul_(scaling)
         buffer = self._maxima[name]
-        if buffer.device != best.device:
-            buffer = self._maxima[name] = buffer.to(best.device)
+        if buffer.device != best.device:  # the model moved after install (or was built on meta: nothing recorded)
+            buffer = self._maxima[name] = (torch.full_like(best.reshape(hq), float("-inf")) if buffer.is_meta
+                                           else buffer.to(best.device))
         torch.maximum(buffer, best.reshape(hq), out=buffer)
 
     def _bias(self, mask, key_length):

@@ -40,6 +40,10 @@ Refused, with a clear error at install: flash-attention (its kernels take paddin
 the implementation's *name* (``== "eager"``: GPT-2's upcast path, Falcon, Gemma 4) take their non-eager /
 non-SDPA branch under the new name; the tested families (Llama, Qwen2, Mistral, Gemma 2, DeepSeek-V3) do not.
 
+A module whose config names the wrapper but that no recorder routes (a ``copy.deepcopy`` of a recorded model:
+a reference or EMA copy) runs its own implementation and records nothing. Buffers made while the model is on
+the meta device are replaced on the first recorded call's device.
+
 The maxima are a max, so a forward that runs twice (gradient checkpointing's recompute) records the same
 values; eval forwards between steps are recorded too (call :meth:`LogitRecorder.reset` after them). The cost
 is one more fp32 ``q·kᵀ`` per attention call, in query-row chunks of at most ``chunk_elements`` logits

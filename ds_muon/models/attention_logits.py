@@ -75,6 +75,7 @@ class _Route:
     recorder: "weakref.ref[LogitRecorder]"
     name: str
     base: Callable
+    impl: str  # "eager" or "sdpa": what the wrapper stands for (SDPA's rule without a mask differs)
 
 
 # module → route; one table for every recorder, so one registered wrapper serves them all
@@ -87,7 +88,7 @@ def _recording_attention(module, query, key, value, attention_mask, *args, **kwa
     route = _ROUTES.get(module) or _unrouted(module)
     recorder = route.recorder()
     if recorder is not None:
-        recorder._record(route.name, module, query, key, attention_mask, args, kwargs)
+        recorder._record(route.name, route.impl, module, query, key, attention_mask, args, kwargs)
     return route.base(module, query, key, value, attention_mask, *args, **kwargs)
 
 
@@ -109,7 +110,7 @@ def _unrouted(module: nn.Module) -> _Route:
             raise RuntimeError(f"{type(module).__name__}: its config names the ds_muon logit-recording attention "
                                f"({module.config._attn_implementation!r}) but its own {impl!r} attention cannot be "
                                "found; set it back with model.set_attn_implementation('sdpa')")
-        route = _UNROUTED[module] = _Route(_no_recorder, "", base)
+        route = _UNROUTED[module] = _Route(_no_recorder, "", base, impl)
     return route
 
 
@@ -238,7 +239,7 @@ class LogitRecorder:
             else:
                 base = forward.__globals__["ALL_ATTENTION_FUNCTIONS"][impl]
             modules[name] = module
-            routes[module] = (name, base)
+            routes[module] = (name, base, impl)
             configs[id(config)] = (config, impl)
         if not modules:
             raise ValueError(f"LogitRecorder: {type(model).__name__} has no attention module dispatching through "
@@ -253,8 +254,8 @@ class LogitRecorder:
             AttentionInterface.register(PREFIX + impl, _recording_attention)
             AttentionMaskInterface.register(PREFIX + impl, ALL_MASK_ATTENTION_FUNCTIONS[impl])
         me = weakref.ref(self)
-        for module, (name, base) in routes.items():
-            _ROUTES[module] = _Route(me, name, base)
+        for module, (name, base, impl) in routes.items():
+            _ROUTES[module] = _Route(me, name, base, impl)
         for config, impl in configs.values():
             self._restore.append((config, impl))
             # the internal attribute, as PreTrainedModel.set_attn_implementation does, so that sub-configs
@@ -294,7 +295,7 @@ class LogitRecorder:
 
     # -- recording ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _record(self, name, module, query, key, attention_mask, args, kwargs) -> None:
+    def _record(self, name, impl, module, query, key, attention_mask, args, kwargs) -> None:
         q_heads, kv_heads, head_dim = self._heads[name]
         batch, hq, q_len, dim = query.shape
         hkv, k_len = key.shape[1], key.shape[2]
@@ -312,7 +313,7 @@ class LogitRecorder:
             raise RuntimeError(f"LogitRecorder: {name!r} got scaling={scaling!r}; a positive scale is expected")
         bias = self._bias(attention_mask, k_len)
         causal = False
-        if bias is None and self._restore_impl(module) == "sdpa":
+        if bias is None and impl == "sdpa":
             is_causal = kwargs.get("is_causal")
             if is_causal is None:
                 is_causal = getattr(module, "is_causal", True)
@@ -361,9 +362,9 @@ class LogitRecorder:
         bias = _additive(mask, key_length)
         me = weakref.ref(self)
 
-        def forget(_, me=me):  # the mask is gone (the forward is over): drop its bias with it
+        def forget(ref, me=me):  # the mask is gone (the forward is over): drop its bias with it
             recorder = me()
-            if recorder is not None:
+            if recorder is not None and recorder._bias_cache is not None and recorder._bias_cache[0] is ref:
                 recorder._bias_cache = None
 
         try:
@@ -371,8 +372,3 @@ class LogitRecorder:
         except TypeError:
             self._bias_cache = None
         return bias
-
-    def _restore_impl(self, module) -> str:
-        """The implementation the module's config had before install (what the wrapper stands for)."""
-        impl = module.config._attn_implementation
-        return impl[len(PREFIX):] if impl.startswith(PREFIX) else impl

@@ -461,3 +461,39 @@ def test_heads_unlike_the_config_raise():
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
     recorder.remove()
+
+
+def test_generated_configs_masks_and_chunks():
+    """A seeded generator over the class of inputs: head layouts (MHA, GQA 2 and 4, MQA), head dims, batch and
+    sequence lengths (one token included), padding anywhere, sliding windows, both implementations, chunk
+    sizes; every recorded max equals the reference."""
+    gen = torch.Generator().manual_seed(28)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    for case in range(12):
+        kv_heads, groups, head_dim = pick([1, 2]), pick([1, 2, 4]), pick([4, 8])
+        heads = kv_heads * groups
+        window = pick([None, None, 3])
+        builder = _mistral if window else _llama
+        model = builder(case, hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        head_dim=head_dim, **({"sliding_window": window} if window else {}))
+        impl = pick(["eager", "sdpa"])
+        model.set_attn_implementation(impl)
+        batch, length = pick([1, 2, 3]), pick([1, 2, 5, 9])
+        ids = torch.randint(0, VOCAB, (batch, length), generator=gen)
+        mask = (torch.rand(batch, length, generator=gen) > 0.3).long()
+        mask[:, -1] = 1
+        padded = pick([True, False])
+        if not padded:
+            mask = torch.ones_like(mask)
+        recorder = LogitRecorder(model, chunk_elements=pick([1, 37, 1 << 24]))
+        seen, handles = _capture_inputs(model)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask if padded else None)
+        for h in handles:
+            h.remove()
+        want = _reference(model, seen, mask)
+        for name, got in recorder.maxima().items():
+            torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"case {case} ({impl}, {heads}/{kv_heads} heads, window "
+                                                     f"{window}, {batch}x{length}, padded {padded}): {m}")
+        recorder.remove()

@@ -497,3 +497,23 @@ def test_generated_configs_masks_and_chunks():
                                        msg=lambda m: f"case {case} ({impl}, {heads}/{kv_heads} heads, window "
                                                      f"{window}, {batch}x{length}, padded {padded}): {m}")
         recorder.remove()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_generate_unchanged_and_decoding_recorded(impl):
+    """Greedy generation with a KV cache (one-token queries against every cached key) gives the same tokens;
+    decoding steps add to the prefill's maxima."""
+    model = _model("llama_gqa", impl).eval()
+    ids = _batch()[0][:1]
+    ones = torch.ones_like(ids)  # (else generate takes the tokens equal to pad_token_id for padding)
+    plain = model.generate(input_ids=ids, attention_mask=ones, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    recorder = LogitRecorder(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    prefill = recorder.maxima()
+    recorder.reset()
+    recorded = model.generate(input_ids=ids, attention_mask=ones, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(plain, recorded)
+    for name, got in recorder.maxima().items():
+        assert torch.all(got >= prefill[name])
+    recorder.remove()

@@ -170,7 +170,8 @@ class LogitRecorder:
 
     ``LogitRecorder(model)`` installs it (a second call on the same model returns the same recorder);
     :meth:`maxima` reads this rank's maxima since the last :meth:`reset`; :meth:`remove` restores the model's
-    attention implementation. Names are the modules' qualified names in ``model`` as given (install before
+    attention implementation (switching it with ``model.set_attn_implementation`` meanwhile ends the recording
+    too). Names are the modules' qualified names in ``model`` as given (install before
     wrapping it in a stack whose wrappers rename modules, e.g. FSDP1). ``chunk_elements`` bounds the fp32
     logits formed at once.
     """

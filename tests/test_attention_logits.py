@@ -517,3 +517,33 @@ def test_generate_unchanged_and_decoding_recorded(impl):
     for name, got in recorder.maxima().items():
         assert torch.all(got >= prefill[name])
     recorder.remove()
+
+
+def _fsdp2_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ids, mask = _batch(seed=rank)  # each rank its own batch: its own maxima (QK-clip reduces them)
+    single = _model("llama_gqa", "sdpa")
+    single_recorder = LogitRecorder(single)
+    with torch.no_grad():
+        single(input_ids=ids, attention_mask=mask)
+    model = _model("llama_gqa", "sdpa")
+    recorder = LogitRecorder(model)  # installed before sharding, as QKClip does
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer.self_attn, mesh=mesh)  # the attention module's class becomes FSDPLlamaAttention
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    got, want = recorder.maxima(), single_recorder.maxima()
+    return (type(model.model.layers[0].self_attn).__name__, list(got) == list(want),
+            all(torch.equal(got[n], want[n]) for n in want))
+
+
+def test_fsdp2_sharded_attention_records_each_ranks_batch():
+    """FSDP2 at W=2 (attention modules sharded themselves): each rank's maxima equal a single process on its batch."""
+    import dist_harness
+
+    for cls, same_names, same in dist_harness.run(_fsdp2_worker, 2, timeout=240):
+        assert cls.startswith("FSDP") and same_names and same

@@ -89,8 +89,8 @@ def measure(impl: str, padded: bool, batch: int, seq: int, rounds: int, iters: i
     cpu = statistics.median(b[1] / a[1] for a, b in zip(off, on))
     med = lambda xs, i: statistics.median(x[i] for x in xs) * 1e3  # noqa: E731
     share = statistics.median(i[1] / a[1] for i, a in zip(inside, off))
-    return [impl, "padded" if padded else "none", f"{batch} x {seq}", "fwd+bwd" if backward else "fwd (no_grad)", med(off, 0), med(on, 0), wall,
-            med(off, 1), med(on, 1), cpu, med(inside, 1), share]
+    return [impl, "padded" if padded else "none", f"{batch} x {seq}", "fwd+bwd" if backward else "fwd (no_grad)",
+            med(off, 0), med(on, 0), wall, med(off, 1), med(on, 1), cpu, med(inside, 1), share]
 
 
 def main():

@@ -548,3 +548,38 @@ def test_fsdp2_sharded_attention_records_each_ranks_batch():
 
     for cls, same_names, same in dist_harness.run(_fsdp2_worker, 2, timeout=240):
         assert cls.startswith("FSDP") and same_names and same
+
+
+def test_meta_forward_and_autocast():
+    """A forward on the meta device (shape tracing) runs through the recorder; under CPU autocast (bf16) the
+    recorded maxima are still fp32 products of the q and k the implementation got (autocast would round the
+    product to bf16, ~1e-3 relative)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    recorder = LogitRecorder(model)
+    out = model(input_ids=torch.zeros(2, 5, dtype=torch.long, device="meta"))
+    assert out.logits.is_meta
+    recorder.remove()
+
+    model = _model("llama_gqa", "sdpa")
+    recorder = LogitRecorder(model)
+    seen_qk, record = [], recorder._record
+    recorder._record = lambda name, impl, module, q, k, *a: (seen_qk.append((q.clone(), k.clone())),
+                                                             record(name, impl, module, q, k, *a))
+    ids, mask = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, attention_mask=mask)
+    q, k = seen_qk[0]  # from bf16 projections
+    k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    i, j = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None, :]
+    allowed = (j <= i) & mask.bool()[:, None, None, :]
+    want = scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+    got = recorder.maxima()["model.layers.0.self_attn"]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp32 maths on bf16 inputs: no bf16 rounding
+    recorder.remove()

@@ -52,6 +52,7 @@ is one more fp32 ``q·kᵀ`` per attention call, in query-row chunks of at most 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -320,7 +321,10 @@ class LogitRecorder:
                 is_causal = getattr(module, "is_causal", True)
             causal = bool(is_causal) and q_len > 1
         groups = hq // hkv
-        with torch.autocast(device_type=query.device.type, enabled=False):
+        device_type = query.device.type
+        no_autocast = (torch.autocast(device_type=device_type, enabled=False)
+                       if torch.amp.is_autocast_available(device_type) else contextlib.nullcontext())
+        with no_autocast:
             q = query.detach().float().reshape(batch, hkv, groups, q_len, dim)
             k_t = key.detach().float().transpose(-1, -2)  # [B, Hkv, D, Lk]
             best = torch.full((hkv, groups), float("-inf"), dtype=torch.float32, device=query.device)

@@ -37,8 +37,9 @@ Refused, with a clear error at install: flash-attention (its kernels take paddin
 (``cu_seqlens``) and the window as a kwarg, a second mask language to re-derive) and flex attention (a
 ``BlockMask``), paged attention, and a config with no implementation set; load or switch the model to
 ``"sdpa"`` or ``"eager"`` first (``model.set_attn_implementation("sdpa")``). Models whose code branches on
-the implementation's *name* (``== "eager"``: GPT-2's upcast path, Falcon, Gemma 4) take their non-eager /
-non-SDPA branch under the new name; the tested families (Llama, Qwen2, Mistral, Gemma 2, DeepSeek-V3) do not.
+the implementation's *name* (``== "eager"``: GPT-2 with ``reorder_and_upcast_attn``, Falcon, Gemma 4) take
+their non-eager / non-SDPA branch under the new name; the tested families (Llama, Qwen2, Mistral, Gemma 2,
+DeepSeek-V3) do not.
 
 A module whose config names the wrapper but that no recorder routes (a ``copy.deepcopy`` of a recorded model:
 a reference or EMA copy) runs its own implementation and records nothing. Buffers made while the model is on

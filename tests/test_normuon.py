@@ -659,57 +659,98 @@ def _fsdp1_batch(t):
     return torch.randn(4, 7, generator=torch.Generator().manual_seed(10 + t))
 
 
-def _fsdp1_worker(rank, world, orig):
-    """2 steps, FSDP.optim_state_dict (full), one more step; a fresh FSDP1 model and Muon (another seed)
-    load the full model and optimizer state dicts and take the third step again."""
+def _resumable(rank, world, kind, seed=0):
+    """A Muon on ``_fsdp1_model(seed)`` wrapped by FSDP1 (flat or use_orig_params=True) or FSDP2."""
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(_fsdp1_model(seed), mesh=init_device_mesh("cpu", (world,)))
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(_fsdp1_model(seed), device_id=torch.device("cpu"), use_orig_params=kind == "fsdp1_orig")
+    return model, ds_muon.Muon(ds_muon.muon_param_groups(model), model=model, variant="normuon", log_summary=False)
+
+
+def _fsdp1_step(model, opt, t):
+    model(_fsdp1_batch(t)).square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _fsdp1_full(model, opt=None, offload=False):
+    """The full model state dict and (with ``opt``) FSDP1's full optimizer state dict, on every rank."""
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    def build(seed):
-        fsdp = FSDP(_fsdp1_model(seed), device_id=torch.device("cpu"), use_orig_params=orig)
-        return fsdp, ds_muon.Muon(ds_muon.muon_param_groups(fsdp), model=fsdp, variant="normuon", log_summary=False)
+    if not isinstance(model, FSDP):  # FSDP2
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, None
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                              FullOptimStateDictConfig(rank0_only=False, offload_to_cpu=offload)):
+        return model.state_dict(), (FSDP.optim_state_dict(model, opt) if opt is not None else None)
 
-    def step(fsdp, opt, t):
-        fsdp(_fsdp1_batch(t)).square().sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    def full(fsdp, opt):
-        with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
-                                  FullOptimStateDictConfig(rank0_only=False)):
-            return fsdp.state_dict(), FSDP.optim_state_dict(fsdp, opt)
+def _fsdp1_worker(rank, world, kind):
+    """2 steps, then the optimizer saved three ways: FSDP.optim_state_dict (full) without and with torch's
+    default offload_to_cpu=True, and a plain per-rank torch.save(opt.state_dict()); one more step.  A fresh
+    model and Muon (another seed) load each and take the third step again (FSDP2: the plain save only)."""
+    import io
 
-    fsdp, opt = build(0)
+    def resume(load):
+        again, opt2 = _resumable(rank, world, kind, seed=1)
+        again.load_state_dict(model_sd)  # (FSDP2: its DTensors into the fresh ones)
+        try:
+            load(again, opt2)
+        except ValueError as e:  # a refused load: the fresh optimizer was left as it was
+            return {"refused": str(e), "untouched": not opt2.state}
+        _fsdp1_step(again, opt2, 2)
+        return _fsdp1_full(again)[0]
+
+    def through_fsdp(osd):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def load(again, opt2):
+            with FSDP.state_dict_type(again, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+                opt2.load_state_dict(FSDP.optim_state_dict_to_load(again, opt2, osd))
+        return load
+
+    model, opt = _resumable(rank, world, kind)
     for t in range(2):
-        step(fsdp, opt, t)
-    msd, osd = full(fsdp, opt)
-    step(fsdp, opt, 2)
-    cont, _ = full(fsdp, opt)
-    again, opt2 = build(1)
-    with FSDP.state_dict_type(again, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
-                              FullOptimStateDictConfig(rank0_only=False)):
-        again.load_state_dict(msd)
-        opt2.load_state_dict(FSDP.optim_state_dict_to_load(again, opt2, osd))
-    step(again, opt2, 2)
-    resumed, _ = full(again, opt2)
-    return {"continued": cont, "resumed": resumed, "saved": (msd, osd)}
+        _fsdp1_step(model, opt, t)
+    if kind == "fsdp2":
+        model_sd, osd, osd_cpu = {k: v.detach().clone() for k, v in model.state_dict().items()}, None, None
+    else:
+        (model_sd, osd), (_, osd_cpu) = _fsdp1_full(model, opt), _fsdp1_full(model, opt, offload=True)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    _fsdp1_step(model, opt, 2)
+    out = {"continued": _fsdp1_full(model)[0], "saved": (model_sd, osd)}
+    out["plain"] = resume(lambda again, opt2: opt2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()),
+                                                                              weights_only=False)))
+    if kind != "fsdp2":
+        out["resumed"], out["offloaded"] = resume(through_fsdp(osd)), resume(through_fsdp(osd_cpu))
+    return out
 
 
 def test_fsdp1_optim_state_dict_carries_the_moment():
     """FSDP1 (flat and ``use_orig_params=True``) at W=2: ``FSDP.optim_state_dict`` carries v (as FSDP1's
     non-tensor state: it all-gathers every state tensor with a dimension as a flat shard and failed on it),
-    a fresh FSDP1 optimizer loading it takes step 3 bitwise the uninterrupted run's, equal to one process;
-    and the ``use_orig_params=True`` state dict (v per tensor) resumes in one process (W=1) through
-    ds_muon.convert, its Muon matrices bitwise the same step.
+    a fresh FSDP1 optimizer loading it takes step 3 bitwise the uninterrupted run's, equal to one process,
+    the AdamW bias too; so does a plain per-rank ``torch.save(opt.state_dict())`` (FSDP2 too); and the
+    ``use_orig_params=True`` state dict (v per tensor) resumes in one process (W=1) through ds_muon.convert,
+    its Muon matrices bitwise the same step.
 
-    Not checked: the AdamW bias after an ``use_orig_params=True`` resume, which is off with plain Muon
-    too (``variant="muon"``, before NorMuon: by ~2e-4 after one step; an existing issue of AdamW state
-    in an FSDP1 flat parameter shared with Muon tensors, left to its own fix)."""
+    ``use_orig_params=True`` saved with torch's default ``FullOptimStateDictConfig(offload_to_cpu=True)``
+    on CPU: torch's gather leaves every state key of a flat parameter's tensors equal to the last one
+    (the AdamW bias's moments become its zero momentum placeholder, ~2e-4 off after the step); the load
+    refuses it on every rank, naming the bias, loading nothing (ds_muon.integrations.fsdp1_checkpoint)."""
     import dist_harness
     from ds_muon.convert import load_named, named_state
 
-    for orig in (False, True):
-        per_rank = dist_harness.run(_fsdp1_worker, 2, orig, timeout=180)
+    for kind in ("fsdp1_flat", "fsdp1_orig", "fsdp2"):
+        per_rank = dist_harness.run(_fsdp1_worker, 2, kind, timeout=180)
         with dist_harness.one_thread():
             model = _fsdp1_model(0)
             opt = ds_muon.Muon(ds_muon.muon_param_groups(model), variant="normuon", log_summary=False)
@@ -718,7 +759,7 @@ def test_fsdp1_optim_state_dict_carries_the_moment():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             want = {n: p.detach() for n, p in model.named_parameters()}
-            if orig:  # W=2's full state dicts into one process, by tensor name
+            if kind == "fsdp1_orig":  # W=2's full state dicts into one process, by tensor name
                 msd, osd = per_rank[0]["saved"]
                 one = _fsdp1_model(1)
                 one.load_state_dict(msd)
@@ -731,10 +772,17 @@ def test_fsdp1_optim_state_dict_carries_the_moment():
                     if p.dim() >= 2:  # the Muon matrices (the AdamW bias through convert is not this test's)
                         assert torch.equal(p.detach(), want[n]), (n, "W=1 through ds_muon.convert")
         for r, res in enumerate(per_rank):
-            for n, w in want.items():
-                assert torch.equal(res["continued"][n], w), (orig, r, n, "continued")
-                if not orig or w.dim() >= 2:  # (FSDP1 use_orig_params=True resumes the AdamW bias off: see doc)
-                    assert torch.equal(res["resumed"][n], w), (orig, r, n, "resumed")
+            ways = ["continued", "plain"] + ([] if kind == "fsdp2" else ["resumed"])
+            if kind == "fsdp1_orig":
+                off = res["offloaded"]
+                assert isinstance(off, dict) and "refused" in off, (r, "offload_to_cpu=True loaded")
+                assert "2.bias" in off["refused"] and "offload_to_cpu=False" in off["refused"], off["refused"]
+                assert off["untouched"], (r, "a refused load changed the optimizer")
+            elif kind == "fsdp1_flat":
+                ways.append("offloaded")
+            for way in ways:
+                for n, w in want.items():
+                    assert torch.equal(res[way][n], w), (kind, r, n, way)
 
 
 # -- 2-D meshes at W=4: HSDP (one home per matrix in the world) and FSDP2 x TP with split rows ----------

@@ -6,7 +6,8 @@ optimizer steps to a :class:`~ds_muon.engine.layout.ParamBinding`:
 * :mod:`.local` — no wrapper or DDP (every rank holds every matrix), and
   tensor-parallel shards;
 * :mod:`.fsdp1` — ``FullyShardedDataParallel`` flat parameters and the original
-  tensors in them; :mod:`.fsdp2` — ``fully_shard`` DTensors;
+  tensors in them, with :mod:`.fsdp1_checkpoint` (full optimizer state dicts whose keys
+  torch's CPU offload overwrote, refused at load); :mod:`.fsdp2` — ``fully_shard`` DTensors;
 * :mod:`.deepspeed` — ZeRO's flat fp32 partitions (attached after
   ``deepspeed.initialize`` by the front door :func:`ds_muon.deepspeed.bind`), with
   :mod:`.deepspeed_checkpoint` (checkpoints refused before anything loads),

@@ -1,0 +1,368 @@
+"""``ds_muon.QKClip``: QK-clip (MuonClip, Kimi K2, arXiv 2507.20534) applied where the rows live.
+
+``Muon(..., qk_clip=QKClip(model, tau=100.0, alpha=0.5))``.  After each step, every attention head whose
+largest pre-softmax logit since the step before, ``S_max^h``, exceeded ``tau`` has its query rows scaled by
+``gamma_h ** alpha`` and its key rows by ``gamma_h ** (1 - alpha)``, ``gamma_h = min(1, tau / S_max^h)``
+(the maths, and the grouped-query and MLA policies: :mod:`ds_muon.rules.qk_clip`).
+
+* ``S_max`` is recorded per head by :class:`ds_muon.models.attention_logits.LogitRecorder` (a wrapper around
+  the model's own attention function), over every forward since the last step (gradient accumulation
+  included; the first forward after a step starts a new window), and reduced over the ranks with one
+  ``all_reduce(MAX)`` of every head's maximum, concatenated, per step, in the optimizer's process group.
+* The rows are scaled on each rank's own pieces, as the optimizer's layout describes them (the
+  :class:`~ds_muon.engine.layout.MatrixSlot` pieces of each binding): a DTensor's local shard (FSDP2), a
+  flat parameter (FSDP1), DeepSpeed's fp32 partition (before DeepSpeed copies it into the model), a
+  replica (DDP).  No weight is gathered; every rank multiplies the same elements by the same fp32 factors,
+  so a sharded run stays bitwise equal to one process.
+* DeepSpeed steps one partition per ``Muon.step`` call: the maxima are reduced once per training step (the
+  first call after a forward) and each call scales the q/k matrices it holds.
+* ``apply_in_forward=True`` (updates deferred to the next forward) is refused: the clip must follow the
+  update.  Biased q/k projections are refused (the bias would need the same scale; not done yet).
+
+The q and k weights of each attention module are read from the module: separate ``q_proj``/``k_proj``
+(Llama, Qwen, Mistral, …), the fused projections :mod:`ds_muon.models.fused` knows (Phi-3 ``qkv_proj``,
+GPT-NeoX ``query_key_value`` interleaved per head, GPT-2 ``c_attn`` stored ``[in, out]``) and MLA
+(``q_b_proj``/``q_proj`` with ``kv_b_proj``, DeepSeek-V3 style).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .engine.layout import global_shape
+from .engine.slots import logical_blocks, strided_blocks
+from .engine.tag_keys import BLOCKS, is_tagged
+from .models.fused import READERS
+from .rules.qk_clip import clip_gammas, head_scales, mla_row_factors, piece_factors, row_factors
+
+_WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter or module name without the wrappers' own levels (FSDP1, activation checkpointing, compile)."""
+    for t in _WRAPPER_TOKENS:
+        name = name.replace(t, "")
+    return name
+
+
+@dataclass
+class _Projection:
+    """One weight that makes q and/or k of an attention module: which output features belong to which head."""
+
+    name: str  # clean parameter name
+    module: str  # the attention module's (recorder's) name
+    kind: str  # "q", "k", "qkv" (fused), "mla_q", "mla_kv"
+    out_features: int
+    transposed: bool  # stored [in, out]
+    heads: Dict[str, Tuple[int, int]]  # fused: label ("q3", "k1") -> (first output feature, count)
+
+
+class QKClip:
+    """QK-clip after every step of the :class:`~ds_muon.Muon` it is passed to (see the module docstring).
+
+    ``tau``: the largest pre-softmax logit a head may keep (the paper's 100); ``alpha``: the share of the
+    scale the query takes (0.5: both by ``sqrt(gamma)``).  ``recorder``: what records ``S_max`` (default
+    ``ds_muon.models.attention_logits.LogitRecorder(model)``; anything with ``maxima()``, ``reset()`` and
+    ``heads(name)``).  After a step, :attr:`last_s_max` holds each head's reduced maximum and
+    :attr:`clipped_heads` how many heads were clipped (``Muon.summary()`` shows both)."""
+
+    def __init__(self, model: nn.Module, tau: float = 100.0, alpha: float = 0.5, recorder=None):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"ds_muon: QKClip(model=...) needs the nn.Module whose attention it clips, got "
+                             f"{type(model).__name__}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not (math.isfinite(tau) and tau > 0):
+            raise ValueError(f"ds_muon: QKClip tau={tau!r} must be a finite number > 0 (the paper uses 100)")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"ds_muon: QKClip alpha={alpha!r} must be a number in [0, 1] (0.5: q and k share the "
+                             "scale equally)")
+        self.model, self.tau, self.alpha = model, float(tau), float(alpha)
+        if recorder is None:
+            try:
+                from .models.attention_logits import LogitRecorder
+            except ImportError as e:  # pragma: no cover - until the recorder lands
+                raise ImportError(f"ds_muon: QKClip needs ds_muon.models.attention_logits.LogitRecorder ({e}); pass "
+                                  "recorder= (an object with maxima(), reset(), heads(name))") from None
+            recorder = LogitRecorder(model)
+        self.recorder = recorder
+        self.last_s_max: Dict[str, torch.Tensor] = {}
+        self.clipped_heads = 0  # in the last step
+        self.clipped_total = 0  # over all steps
+        self.steps = 0
+        self._projections: Optional[Dict[str, _Projection]] = None
+        self._factors: Dict[str, torch.Tensor] = {}  # clean parameter name -> factor per output feature
+        self._forwards = 0  # forwards since construction (the window of the maxima)
+        self._reduced_at = -1  # self._forwards when the maxima were last reduced
+        self._applied: set = set()  # matrix keys scaled with the current factors
+        self._seen: set = set()  # clean names of q/k weights found in some binding
+        self._slot_cache: Dict[tuple, object] = {}
+        self._hook = model.register_forward_pre_hook(self._on_forward)
+
+    # -- settings --------------------------------------------------------------------------------
+    def settings(self) -> Tuple[float, float]:
+        """What must be equal on every rank (compared by the step's agreement)."""
+        return (self.tau, self.alpha)
+
+    def __repr__(self) -> str:
+        return f"QKClip(tau={self.tau}, alpha={self.alpha})"
+
+    def remove(self) -> None:
+        """Stop recording (removes the hooks; the optimizer then must not step with this clip)."""
+        self._hook.remove()
+        if hasattr(self.recorder, "remove"):
+            self.recorder.remove()
+
+    def _on_forward(self, module, args):
+        if self._reduced_at == self._forwards:  # the first forward after a step: a new window
+            self.recorder.reset()
+        self._forwards += 1
+
+    # -- what the model's attention is made of ---------------------------------------------------------
+    def projections(self) -> Dict[str, _Projection]:
+        """Clean parameter name -> the q/k projection it is, for every attention module the recorder names."""
+        if self._projections is None:
+            out: Dict[str, _Projection] = {}
+            for name in self.recorder.maxima():
+                for proj in self._projections_of(name):
+                    out[proj.name] = proj
+            if not out:
+                raise ValueError("ds_muon: QKClip found no attention module in the model (the recorder names none)")
+            self._projections = out
+        return self._projections
+
+    def _projections_of(self, name: str) -> List[_Projection]:
+        module = self.model.get_submodule(name)
+        nq, nkv, hd = (int(x) for x in self.recorder.heads(name))
+        clean = clean_name(name)
+        prefix = clean + "." if clean else ""
+        config = getattr(module, "config", None) or getattr(self.model, "config", None)
+        what = type(module).__name__
+        if hasattr(module, "kv_b_proj"):  # MLA
+            q = "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj"
+            nope, rope = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
+            v = int(config.v_head_dim)
+            self._no_bias(module, (q, "kv_b_proj"), name)
+            return [_Projection(prefix + f"{q}.weight", name, "mla_q", nq * (nope + rope), False, {}),
+                    _Projection(prefix + "kv_b_proj.weight", name, "mla_kv", nq * (nope + v), False, {})]
+        if getattr(module, "q_proj", None) is not None and getattr(module, "k_proj", None) is not None:
+            self._no_bias(module, ("q_proj", "k_proj"), name)
+            return [_Projection(prefix + "q_proj.weight", name, "q", nq * hd, False, {}),
+                    _Projection(prefix + "k_proj.weight", name, "k", nkv * hd, False, {})]
+        for path, reader in READERS.get(what, {}).items():
+            child = path.rsplit(".", 1)[0] if "." in path else ""
+            weight = module.get_parameter(path) if _has_parameter(module, path) else None
+            if weight is None:
+                continue
+            plan = reader(module, path, global_shape(weight), config, per_head=True)
+            if not plan.what.startswith("q|k|v"):
+                continue
+            self._no_bias(module, (child,), name)
+            heads = {}
+            for label, (rows, cols) in plan.blocks.items():
+                run = cols if plan.transposed else rows
+                if run is None or len(run) != 2:
+                    raise NotImplementedError(f"ds_muon: QKClip: {name} ({what}): the {label} block of {path} is not "
+                                              "a run of output features; its layout is not supported")
+                if label[0] in "qk":
+                    heads[label] = (int(run[0]), int(run[1]))
+            shape = global_shape(weight)
+            return [_Projection(prefix + path, name, "qkv", int(shape[1] if plan.transposed else shape[0]),
+                                plan.transposed, heads)]
+        raise NotImplementedError(f"ds_muon: QKClip: {name} ({what}) has neither q_proj/k_proj nor a fused q|k|v "
+                                  "projection ds_muon.models.fused knows; its q and k rows cannot be found")
+
+    @staticmethod
+    def _no_bias(module, children, name):
+        for c in children:
+            m = module.get_submodule(c) if c else module
+            if getattr(m, "bias", None) is not None:
+                raise NotImplementedError(
+                    f"ds_muon: QKClip: {name}.{c} has a bias; scaling q/k would need the bias scaled too, which "
+                    "ds_muon does not do yet. Use a model without q/k biases (e.g. attention_bias=False)")
+
+    # -- the step ----------------------------------------------------------------------------------
+    def after_step(self, opt) -> None:
+        """Called by ``Muon.step`` once the updates have landed: reduce the maxima (once per window), then
+        scale this rank's pieces of the q/k matrices the optimizer holds in this call."""
+        projections = self.projections()
+        if self._reduced_at != self._forwards:
+            self._reduce(opt, projections)
+        self._scale(opt, projections)
+
+    def _reduce(self, opt, projections) -> None:
+        maxima = self.recorder.maxima()
+        names = sorted({p.module for p in projections.values()})
+        local = [maxima[n].detach().to(torch.float32).reshape(-1) for n in names]
+        flat = torch.cat(local) if local else torch.empty(0)
+        group, world = opt._step_group()
+        if world > 1:
+            device = flat.device
+            if dist.get_backend(group) == "nccl" and device.type != "cuda":
+                flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
+            flat = flat.clone()
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            flat = flat.to(device)
+        self.last_s_max, gammas, at = {}, {}, 0
+        for n, t in zip(names, local):
+            s = flat[at:at + t.numel()].cpu()
+            at += t.numel()
+            self.last_s_max[n] = s
+            gammas[n] = clip_gammas(s, self.tau)
+        self.clipped_heads = int(sum(int((g < 1).sum()) for g in gammas.values()))
+        self.clipped_total += self.clipped_heads
+        self.steps += 1
+        self._factors = {}
+        for p in projections.values():
+            g = gammas[p.module]
+            if bool((g < 1).any()):
+                self._factors[p.name] = self._out_factors(p, g)
+        self._applied = set()
+        self._reduced_at = self._forwards
+
+    def _out_factors(self, p: _Projection, gammas: torch.Tensor) -> torch.Tensor:
+        nq, nkv, hd = (int(x) for x in self.recorder.heads(p.module))
+        if p.kind in ("mla_q", "mla_kv"):
+            config = getattr(self.model.get_submodule(p.module), "config", None) or self.model.config
+            q, kv = mla_row_factors(gammas, self.alpha, int(config.qk_nope_head_dim), int(config.qk_rope_head_dim),
+                                    int(config.v_head_dim))
+            return q if p.kind == "mla_q" else kv
+        q_scale, k_scale = head_scales(gammas, nkv, self.alpha)
+        if p.kind == "q":
+            return row_factors(q_scale, hd)
+        if p.kind == "k":
+            return row_factors(k_scale, hd)
+        out = torch.ones(p.out_features, dtype=torch.float32)
+        for label, (start, n) in p.heads.items():
+            out[start:start + n] = (q_scale if label[0] == "q" else k_scale)[int(label[1:])]
+        return out
+
+    # -- rows where they live -----------------------------------------------------------------------
+    def _scale(self, opt, projections) -> None:
+        by_id = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
+        tensors = {clean_name(n): p for n, p in self.model.named_parameters()}
+        names = {}
+        for gi, g in enumerate(opt.param_groups):
+            for pi, p in enumerate(g["params"]):
+                names[id(p)] = opt._name(gi, pi)
+        for b in opt._bindings.values():
+            for slot in b.matrices:
+                where = self._resolve(b, slot, by_id, names, projections)
+                if where is None:
+                    continue
+                pname, base, suffix = where
+                self._seen.add(pname)
+                factors = self._factors.get(pname)
+                if factors is None or slot.key in self._applied or slot.piece is None or slot.piece.numel == 0:
+                    continue
+                if b.copied:
+                    raise NotImplementedError(f"ds_muon: QKClip: {slot.key} has no flat view in the optimizer's "
+                                              "binding; its rows cannot be scaled in place")
+                positions = self._positions(b, slot, pname, base, suffix, tensors, projections[pname])
+                cols, transposed = self._stored(b, slot, pname, tensors, projections[pname])
+                f = piece_factors(factors, positions, cols, transposed)
+                _multiply(b, slot, f)
+                self._applied.add(slot.key)
+        missing = sorted(set(projections) - self._seen)
+        if missing and not opt.adapter.applies_in_step or missing and self.steps > 1:
+            raise ValueError(f"ds_muon: QKClip: {missing[0]} (and {len(missing) - 1} more) is a q/k weight that no "
+                             "Muon param group holds; QK-clip scales the rows of Muon matrices only. Put the q/k "
+                             "projections in a Muon group (muon_param_groups does)")
+
+    def _resolve(self, b, slot, by_id, names, projections):
+        """(clean parameter name, slot key base, block suffix) of a slot that is a q/k projection, else None."""
+        key = (id(b.param), slot.key)
+        if key in self._slot_cache:
+            return self._slot_cache[key]
+        out = None
+        pname = by_id.get(id(b.param))
+        if pname is not None:  # the binding's tensor is the model's parameter (local, DDP, FSDP2)
+            base = names.get(id(b.param), slot.key)
+            if pname in projections and slot.key.startswith(base):
+                out = (pname, base, slot.key[len(base):])
+        else:  # a flat tensor (FSDP1, DeepSpeed): slots are keyed by the model's names
+            k = clean_name(slot.key)
+            base = k.split("[", 1)[0]
+            if base in projections:
+                out = (base, slot.key.split("[", 1)[0], slot.key[len(slot.key.split("[", 1)[0]):])
+        self._slot_cache[key] = out
+        return out
+
+    def _tagged(self, b, pname, tensors):
+        t = b.param if id(b.param) in {id(p) for p in tensors.values()} else tensors.get(pname)
+        return t
+
+    def _stored(self, b, slot, pname, tensors, proj) -> Tuple[int, bool]:
+        """(columns of the stored tensor, stored [in, out])."""
+        t = self._tagged(b, pname, tensors)
+        shape = tuple(global_shape(t)) if t is not None and global_shape(t) else tuple(slot.shape)
+        cols = int(math.prod(shape[1:]))
+        transposed = proj.transposed
+        want = shape[1] if transposed else shape[0]
+        if int(want) != proj.out_features:
+            raise ValueError(f"ds_muon: QKClip: {pname} has {want} output features; the head layout of "
+                             f"{proj.module} says {proj.out_features}")
+        return cols, transposed
+
+    def _positions(self, b, slot, pname, base, suffix, tensors, proj) -> torch.Tensor:
+        """Where each element of this rank's piece sits in the stored tensor's row-major flattening."""
+        piece = slot.piece
+        e = torch.arange(piece.numel, dtype=torch.int64)
+        m = piece.offset + (e // piece.length) * piece.stride + e % piece.length if piece.rows > 1 else piece.offset + e
+        if not suffix:
+            return m
+        t = self._tagged(b, pname, tensors)
+        if t is None or not is_tagged(t):
+            raise NotImplementedError(f"ds_muon: QKClip: {slot.key} is a block of {pname}, whose tags this process "
+                                      "cannot read (FSDP1 with use_orig_params=False); use separate q/k projections "
+                                      "or another stack")
+        if getattr(t, BLOCKS, None) is not None:
+            for key, _, off, sizes, strides in strided_blocks(t, base):
+                if key == slot.key:
+                    pos = torch.zeros_like(m)
+                    rest = m
+                    for n, st in zip(reversed(sizes), reversed(strides)):
+                        rest, r = torch.div(rest, n, rounding_mode="floor"), rest % n
+                        pos += r * st
+                    return off + pos
+        else:
+            for key, _, start in logical_blocks(t, base):
+                if key == slot.key:
+                    return start + m
+        raise RuntimeError(f"ds_muon: QKClip: no block {slot.key} in the tags of {pname}")
+
+    # -- reporting -----------------------------------------------------------------------------------
+    def report(self) -> dict:
+        """What ``Muon.summary()`` shows: settings, the last step's S_max per head and the clipped counts."""
+        return {"tau": self.tau, "alpha": self.alpha, "steps": self.steps, "clipped_heads": self.clipped_heads,
+                "clipped_total": self.clipped_total,
+                "s_max": {n: [float(x) for x in s] for n, s in self.last_s_max.items()}}
+
+
+def _has_parameter(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_parameter(path)
+        return True
+    except AttributeError:
+        return False
+
+
+@torch.no_grad()
+def _multiply(b, slot, f: torch.Tensor) -> None:
+    """This rank's piece of one matrix, multiplied in place by ``f`` (its elements' factors, in piece order)."""
+    flat = b.flat(b.param)
+    if slot.local_view is None:
+        views = [(flat[slot.local_offset:slot.local_offset + slot.piece.numel], 0)]
+    else:
+        views, start = [], 0
+        for rel, sizes, strides in slot.local_view:
+            v = flat.as_strided(sizes, strides, flat.storage_offset() + slot.local_offset + rel)
+            views.append((v, start))
+            start += v.numel()
+    for v, start in views:
+        part = f[start:start + v.numel()].to(v.device).view(v.shape)
+        v.copy_((v.to(torch.float32) * part).to(v.dtype))

@@ -1,0 +1,161 @@
+"""QK-clip (MuonClip, arXiv 2507.20534): ``ds_muon.QKClip`` on a transformers Llama from a tiny config whose
+q/k weights are inflated so some heads' logits exceed tau.
+
+* single process: S_max per head is recorded before the step; the weights after the step equal a
+  reference written here from the paper's formula (gamma = min(1, tau / S_max), q rows by gamma^alpha,
+  k rows by gamma^(1-alpha); GQA: a kv head by its query heads' smallest gamma) applied to the same run
+  without the clip (rtol 1e-6); at lr=0 the next forward on the same batch has every head <= tau(1+1e-5);
+  with every head below tau nothing changes at all (torch.equal);
+* FSDP2 W=2 and DeepSpeed ZeRO-3 W=2 (fp32 and bf16 NS, one spawned job per stack) give the single
+  process's weights bitwise, and the same reduced S_max.
+
+The recorder is ``tests/qk_standin.py`` (the interface of ``ds_muon.models.attention_logits.LogitRecorder``)
+until that lands.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dist_harness
+
+pytest.importorskip("transformers")
+
+import ds_muon  # noqa: E402
+from hf_models import hf_batches, hf_loss, tiny_llama  # noqa: E402
+from qk_standin import StandInRecorder  # noqa: E402
+
+TAU, STEPS, LR = 1.0, 2, 0.02
+HD = 8  # tiny_llama: hidden 32, 4 query heads, 2 kv heads
+
+
+def inflated_llama(**over):
+    """Layer 0: query head 1 inflated; layer 1: kv head 0 inflated (query heads 0 and 1 share it)."""
+    model = tiny_llama(**over)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[HD:2 * HD] *= 40
+        model.model.layers[1].self_attn.k_proj.weight[0:HD] *= 40
+    return model
+
+
+def train(model, clip_tau=None, lr=LR, steps=STEPS, ns_dtype=torch.float32, alpha=0.5):
+    """(model, optimizer, clip, [S_max per step from the recorder, before each step]) after ``steps``."""
+    recorder = StandInRecorder(model)
+    clip = ds_muon.QKClip(model, tau=clip_tau, alpha=alpha, recorder=recorder) if clip_tau is not None else None
+    groups = ds_muon.muon_param_groups(model, lr=lr, **({"adam_lr": 0.0} if lr == 0 else {}))  # lr=0: nothing moves
+    opt = ds_muon.Muon(groups, ns_dtype=ns_dtype, qk_clip=clip, log_summary=False)
+    seen = []
+    for idx in hf_batches(steps):
+        hf_loss(model, idx).backward()
+        seen.append(recorder.maxima())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt, clip, seen
+
+
+def paper_clip(weights: dict, s_max: dict, tau: float, alpha: float, nkv: int) -> dict:
+    """The paper's formula on every layer's q_proj/k_proj, with the GQA policy (documented in rules/qk_clip)."""
+    out = {n: w.clone() for n, w in weights.items()}
+    for name, s in s_max.items():
+        gam = [min(1.0, tau / float(x)) for x in s]
+        q, k = out[f"{name}.q_proj.weight"], out[f"{name}.k_proj.weight"]
+        group = len(gam) // nkv
+        for h, g in enumerate(gam):
+            q[h * HD:(h + 1) * HD] *= g ** alpha
+        for j in range(nkv):
+            k[j * HD:(j + 1) * HD] *= min(gam[j * group:(j + 1) * group]) ** (1 - alpha)
+    return out
+
+
+def weights(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def head_maxima(model, idx) -> dict:
+    rec = next(m._ds_muon_standin for m in model.modules() if hasattr(m, "_ds_muon_standin"))
+    rec.reset()
+    with torch.no_grad():
+        model(input_ids=idx)
+    return rec.maxima()
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.25])
+def test_single_process_equals_the_papers_formula(alpha):
+    with dist_harness.one_thread():
+        clipped, _, clip, seen = train(inflated_llama(), TAU, steps=1, alpha=alpha)
+        plain, _, _, _ = train(inflated_llama(), None, steps=1)
+    before = seen[0]
+    assert float(before["model.layers.0.self_attn"][1]) > 1.3 * TAU  # the inflated heads exceed tau ...
+    assert float(before["model.layers.1.self_attn"][:2].min()) > 1.3 * TAU
+    assert float(before["model.layers.0.self_attn"][[0, 2, 3]].max()) < 0.2 * TAU  # ... the others do not
+    assert clip.clipped_heads == 3 and clip.steps == 1
+    assert all(torch.equal(clip.last_s_max[n], before[n]) for n in before)  # one process: the reduce is the max
+    want = paper_clip(weights(plain), before, TAU, alpha, nkv=2)
+    got = weights(clipped)
+    changed = [n for n in want if not torch.equal(want[n], weights(plain)[n])]
+    assert sorted(changed) == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+                               "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=0, msg=n)
+    assert clip.report()["s_max"] == {n: s.tolist() for n, s in before.items()}
+
+
+def test_every_head_ends_at_most_tau():
+    """lr=0: the step changes nothing but the clip.  The first layer's input is then unchanged, so its heads'
+    logits at the next forward on the step's batch are scaled by exactly their q and k factors (rtol 1e-4):
+    the clipped head at tau, the head sharing its kv head shrunk by that kv factor, the others as they
+    were.  Later layers see the clipped layers' new outputs, so theirs are bounded by tau(1+eps), eps=0.02
+    (measured here: 0.4%)."""
+    with dist_harness.one_thread():
+        model, _, clip, seen = train(inflated_llama(), TAU, lr=0.0, steps=1)
+        after = head_maxima(model, hf_batches(1)[0])
+    for name, s in after.items():
+        assert float(s.max()) <= TAU * 1.02, (name, s)
+    first = "model.layers.0.self_attn"
+    before = seen[0][first]
+    gam = [min(1.0, TAU / float(x)) for x in before]
+    want = [float(before[h]) * gam[h] ** 0.5 * min(gam[h // 2 * 2:h // 2 * 2 + 2]) ** 0.5 for h in range(4)]
+    torch.testing.assert_close(after[first].tolist(), want, rtol=1e-4, atol=0)
+    assert abs(float(after[first].max()) - TAU) < 1e-4 * TAU
+
+
+def test_no_change_when_every_head_is_below_tau():
+    with dist_harness.one_thread():
+        clipped, _, clip, seen = train(inflated_llama(), 1e4)
+        plain, _, _, _ = train(inflated_llama(), None)
+    assert clip.clipped_heads == 0 and clip.clipped_total == 0 and clip.steps == STEPS
+    assert max(float(s.max()) for step in seen for s in step.values()) > TAU  # would have clipped at TAU
+    a, b = weights(clipped), weights(plain)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_bad_settings_are_refused():
+    model = tiny_llama()
+    rec = StandInRecorder(model)
+    for kw, match in [({"tau": 0.0}, "tau"), ({"tau": float("nan")}, "tau"), ({"alpha": 1.5}, "alpha"),
+                      ({"tau": True}, "tau")]:
+        with pytest.raises(ValueError, match=match):
+            ds_muon.QKClip(model, recorder=rec, **kw)
+    clip = ds_muon.QKClip(model, tau=5.0, recorder=rec)
+    with pytest.raises(ValueError, match="apply_in_forward"):
+        ds_muon.Muon(ds_muon.muon_param_groups(model), model=model, overlap=True, apply_in_forward=True,
+                     qk_clip=clip)
+    with pytest.raises(ValueError, match="qk_clip"):
+        ds_muon.Muon(ds_muon.muon_param_groups(model), qk_clip={"tau": 5.0})
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(model), qk_clip=clip)
+    twin = copy.deepcopy(opt)  # the clip holds the model: not carried, and a copy must not step silently unclipped
+    with pytest.raises(RuntimeError, match="qk_clip"):
+        twin.step()
+
+
+def test_qk_weights_outside_muon_are_refused():
+    model = inflated_llama()
+    clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+    groups = ds_muon.muon_param_groups(model, exclude=["*.q_proj.weight"])
+    opt = ds_muon.Muon(groups, qk_clip=clip, log_summary=False)
+    hf_loss(model, hf_batches(1)[0]).backward()
+    with pytest.raises(ValueError, match=r"q_proj\.weight.*no\s+Muon param group"):
+        opt.step()

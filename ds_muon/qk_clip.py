@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine.layout import global_shape
+from .engine.layout import global_shape, is_flat_shard
 from .engine.slots import logical_blocks, strided_blocks
 from .engine.tag_keys import BLOCKS, is_tagged
 from .models.fused import READERS
@@ -280,26 +280,31 @@ class QKClip:
             return self._slot_cache[key]
         out = None
         pname = by_id.get(id(b.param))
-        if pname is not None:  # the binding's tensor is the model's parameter (local, DDP, FSDP2)
-            base = names.get(id(b.param), slot.key)
-            if pname in projections and slot.key.startswith(base):
-                out = (pname, base, slot.key[len(base):])
-        else:  # a flat tensor (FSDP1, DeepSpeed): slots are keyed by the model's names
+        base = names.get(id(b.param), slot.key)
+        if pname in projections and slot.key.startswith(base):  # the model's own tensor (local, DDP, FSDP2)
+            out = (pname, base, slot.key[len(base):])
+        else:  # a flat tensor (FSDP1 flat parameters, DeepSpeed partitions): slots are keyed by the model's names
             k = clean_name(slot.key)
             base = k.split("[", 1)[0]
             if base in projections:
-                out = (base, slot.key.split("[", 1)[0], slot.key[len(slot.key.split("[", 1)[0]):])
+                raw = slot.key.split("[", 1)[0]
+                out = (base, raw, slot.key[len(raw):])
         self._slot_cache[key] = out
         return out
 
-    def _tagged(self, b, pname, tensors):
-        t = b.param if id(b.param) in {id(p) for p in tensors.values()} else tensors.get(pname)
+    @staticmethod
+    def _tagged(b, pname, tensors):
+        """The tensor that carries ``pname``'s shape and tags: the binding's own (local, DDP, FSDP2), the model's
+        parameter of that name (DeepSpeed keeps the model's tensors); None where a stack hides it (FSDP1)."""
+        t = tensors.get(pname)
+        if t is None or is_flat_shard(t) or len(global_shape(t)) < 2:
+            return None
         return t
 
     def _stored(self, b, slot, pname, tensors, proj) -> Tuple[int, bool]:
         """(columns of the stored tensor, stored [in, out])."""
         t = self._tagged(b, pname, tensors)
-        shape = tuple(global_shape(t)) if t is not None and global_shape(t) else tuple(slot.shape)
+        shape = tuple(global_shape(t)) if t is not None else tuple(slot.shape)
         cols = int(math.prod(shape[1:]))
         transposed = proj.transposed
         want = shape[1] if transposed else shape[0]

@@ -159,3 +159,137 @@ def test_qk_weights_outside_muon_are_refused():
     hf_loss(model, hf_batches(1)[0]).backward()
     with pytest.raises(ValueError, match=r"q_proj\.weight.*no\s+Muon param group"):
         opt.step()
+
+
+# -- sharded: the same weights as one process ------------------------------------------------------------------
+NS_DTYPES = (torch.float32, torch.bfloat16)
+ZERO_ENV = {"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1"}
+
+
+def _torch_stack(stack: str, model, world: int, ns_dtype):
+    """(model to call, Muon with QK-clip, clip, full parameters()) under DDP, FSDP2 or FSDP1."""
+    if stack == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
+                           log_summary=False)
+        return DDP(model), opt, clip, lambda: weights(model)
+    if stack == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
+                           log_summary=False)
+        return model, opt, clip, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}))
+    clip = ds_muon.QKClip(fsdp, tau=TAU, recorder=StandInRecorder(fsdp))
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp, ns_dtype=ns_dtype, qk_clip=clip,
+                       log_summary=False)
+
+    def full():
+        with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT):
+            return {n: t.detach().clone() for n, t in fsdp.state_dict().items()}
+    return fsdp, opt, clip, full
+
+
+def _torch_worker(rank, world, stacks):
+    out = {}
+    for stack in stacks:
+        for ns_dtype in NS_DTYPES:
+            model, opt, clip, full = _torch_stack(stack, inflated_llama(), world, ns_dtype)
+            s_max, clipped = [], []
+            for idx in hf_batches(STEPS):  # the same batch on every rank: the average is exact
+                hf_loss(model, idx).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                s_max.append({ds_muon.qk_clip.clean_name(n): s for n, s in clip.last_s_max.items()})
+                clipped.append(clip.clipped_heads)
+            out[stack, ns_dtype] = full(), s_max, clipped
+    return out
+
+
+def _zero3_worker(rank, world):
+    import deepspeed  # noqa: F401
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from ds_muon import deepspeed as ds_muon_deepspeed
+
+    out = {}
+    for ns_dtype in NS_DTYPES:
+        model = inflated_llama()
+        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
+                           log_summary=False)
+        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+               "zero_optimization": {"stage": 3}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        engine, _, _, _ = ds_muon_deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        s_max, clipped, grads = [], [], []
+        for idx in hf_batches(STEPS):
+            engine.backward(engine(input_ids=idx, labels=idx).loss)
+            grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+            engine.step()
+            s_max.append(dict(clip.last_s_max))
+            clipped.append(clip.clipped_heads)
+        assert engine.skipped_steps == 0
+        final = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        out["zero3", ns_dtype] = final, s_max, clipped, grads
+    return out
+
+
+def _reference(ns_dtype, grads=None):
+    """One process, one thread: the same model, batches and clip (stepping on ``grads`` when given: ZeRO-3's
+    backward sums a shared input's gradient in another order, see test_real_models_zero)."""
+    with dist_harness.one_thread():
+        model = inflated_llama()
+        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
+                           log_summary=False)
+        s_max, clipped = [], []
+        for k, idx in enumerate(hf_batches(STEPS)):
+            hf_loss(model, idx).backward()
+            if grads is not None:
+                for n, p in model.named_parameters():
+                    p.grad.copy_(grads[k][n])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            s_max.append(dict(clip.last_s_max))
+            clipped.append(clip.clipped_heads)
+        return weights(model), s_max, clipped
+
+
+def _check(where, got, want):
+    (w_got, s_got, c_got), (w_want, s_want, c_want) = got, want
+    assert c_got == c_want and min(c_want) > 0, (where, c_got, c_want)  # every step clipped some heads
+    for a, b in zip(s_got, s_want):
+        assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in b), where
+    for n, t in w_want.items():
+        assert torch.equal(w_got[n], t), f"{where}: {n} differs (max {float((w_got[n] - t).abs().max()):.3g})"
+
+
+def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
+    stacks = ("ddp", "fsdp2", "fsdp1")
+    results = dist_harness.run(_torch_worker, 2, stacks, timeout=300)
+    for ns_dtype in NS_DTYPES:
+        want = _reference(ns_dtype)
+        for stack in stacks:
+            for rank, out in enumerate(results):
+                _check(f"{stack} ns={ns_dtype} rank {rank}", out[stack, ns_dtype], want)
+
+
+def test_zero3_equals_one_process_bitwise():
+    pytest.importorskip("deepspeed")
+    results = dist_harness.run(_zero3_worker, 2, timeout=300, env=ZERO_ENV)
+    for ns_dtype in NS_DTYPES:
+        final, s_max, clipped, grads = results[0]["zero3", ns_dtype]
+        want = _reference(ns_dtype, grads)
+        for rank, out in enumerate(results):
+            _check(f"ZeRO-3 ns={ns_dtype} rank {rank}", out["zero3", ns_dtype][:3], want)

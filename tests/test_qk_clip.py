@@ -214,6 +214,19 @@ def _torch_worker(rank, world, stacks):
                 s_max.append({ds_muon.qk_clip.clean_name(n): s for n, s in clip.last_s_max.items()})
                 clipped.append(clip.clipped_heads)
             out[stack, ns_dtype] = full(), s_max, clipped
+    # each rank its own batches: S_max is the max over the ranks (one all_reduce), so the replicas clip alike
+    import torch.distributed as dist
+
+    model, opt, clip, full = _torch_stack("ddp", inflated_llama(), world, torch.float32)
+    steps = []
+    for idx in hf_batches(STEPS, seed=1 + rank):
+        hf_loss(model, idx).backward()
+        everyone = [None] * world
+        dist.all_gather_object(everyone, clip.recorder.maxima())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append((everyone, dict(clip.last_s_max)))
+    out["own batches"] = steps, full()
     return out
 
 
@@ -283,6 +296,16 @@ def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
         for stack in stacks:
             for rank, out in enumerate(results):
                 _check(f"{stack} ns={ns_dtype} rank {rank}", out[stack, ns_dtype], want)
+
+
+    (steps, w0), (_, w1) = results[0]["own batches"], results[1]["own batches"]
+    for everyone, reduced in steps:
+        assert any(not torch.equal(everyone[0][n], everyone[1][n]) for n in reduced)  # the ranks saw different maxima
+        for n, s in reduced.items():
+            assert torch.equal(s, torch.maximum(everyone[0][n], everyone[1][n])), n
+        assert all(torch.equal(results[1]["own batches"][0][0][1][n], results[0]["own batches"][0][0][1][n])
+                   for n in reduced)
+    assert all(torch.equal(w0[n], w1[n]) for n in w0)  # the replicas stayed equal
 
 
 def test_zero3_equals_one_process_bitwise():

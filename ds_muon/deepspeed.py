@@ -48,6 +48,7 @@ from .integrations.deepspeed_cpu_adam import adamw_kernel
 from .integrations.moe import split_moe_groups, tag_deepspeed_moe
 from .optimizer import Muon
 from .param_groups import muon_param_groups
+from .qk_clip import clip_from_settings
 from .unwrap import find_muon
 
 OPTIMIZER_TYPE = "DsMuon"
@@ -143,26 +144,12 @@ def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any
     kernel = adamw_kernel(str(entry_params.pop("adam_kernel", "torch")))
     muon_kw, group_kw = parse_params(entry_params)
     if muon_kw.get("qk_clip") is not None:  # "qk_clip": {"tau": 100.0, "alpha": 0.5}: QK-clip on this model
-        muon_kw["qk_clip"] = qk_clip_from(model, muon_kw["qk_clip"], '"optimizer.params.qk_clip"')
+        muon_kw["qk_clip"] = clip_from_settings(model, muon_kw["qk_clip"], '"optimizer.params.qk_clip"')
     groups = muon_param_groups(model, **group_kw)
     muon = Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
     if kernel is not None:
         muon.adamw_kernel = kernel
     return muon
-
-
-def qk_clip_from(model: torch.nn.Module, spec, where: str):
-    """A :class:`ds_muon.QKClip` on ``model`` from ``{"tau": ..., "alpha": ...}`` (a QKClip passes through)."""
-    from .qk_clip import QKClip
-
-    if isinstance(spec, QKClip):
-        return spec
-    if not isinstance(spec, dict):
-        raise ValueError(f'ds_muon: {where} must be an object like {{"tau": 100.0, "alpha": 0.5}}, got {spec!r}')
-    unknown = sorted(set(spec) - {"tau", "alpha"})
-    if unknown:
-        raise ValueError(f'ds_muon: unknown key(s) {unknown} in {where}; it takes "tau" and "alpha"')
-    return QKClip(model, **spec)
 
 
 def optimizer_from_config(model: torch.nn.Module, config) -> Tuple[Dict[str, Any], Optional[Muon]]:
@@ -269,5 +256,4 @@ def bind(engine, optimizer=None):
     return muon
 
 
-__all__ = ["initialize", "optimizer_from_config", "build_optimizer", "parse_params", "accepted_params", "load_config", "bind", "HOW_TO_BIND",
-           "qk_clip_from"]
+__all__ = ["initialize", "optimizer_from_config", "build_optimizer", "parse_params", "accepted_params", "load_config", "bind", "HOW_TO_BIND"]

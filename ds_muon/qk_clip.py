@@ -348,6 +348,19 @@ class QKClip:
                 "s_max": {n: [float(x) for x in s] for n, s in self.last_s_max.items()}}
 
 
+def clip_from_settings(model: nn.Module, spec, where: str = "qk_clip") -> QKClip:
+    """A :class:`QKClip` on ``model`` from the front doors' ``{"tau": 100.0, "alpha": 0.5}`` (the DsMuon JSON,
+    ``ds_muon.accelerate.prepare(qk_clip=...)``, ``MuonTrainer`` settings); a QKClip passes through."""
+    if isinstance(spec, QKClip):
+        return spec
+    if not isinstance(spec, dict):
+        raise ValueError(f'ds_muon: {where} must be an object like {{"tau": 100.0, "alpha": 0.5}}, got {spec!r}')
+    unknown = sorted(set(spec) - {"tau", "alpha"})
+    if unknown:
+        raise ValueError(f'ds_muon: unknown key(s) {unknown} in {where}; it takes "tau" and "alpha"')
+    return QKClip(model, **spec)
+
+
 def _has_parameter(module: nn.Module, path: str) -> bool:
     try:
         module.get_parameter(path)

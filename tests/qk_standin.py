@@ -64,3 +64,21 @@ def _attend(module, query, key, value, attention_mask, scaling, dropout=0.0, **k
                 logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
             rec._record(module, logits.amax(dim=(0, 2, 3)))
     return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)
+
+
+def install() -> None:
+    """Make ``ds_muon.models.attention_logits.LogitRecorder`` this stand-in while the real one has not landed
+    (so ``ds_muon.QKClip(model)`` and the front doors' ``qk_clip`` settings run); the real one once it has."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        importlib.import_module("ds_muon.models.attention_logits")
+    except ImportError:
+        import ds_muon.models
+
+        mod = types.ModuleType("ds_muon.models.attention_logits")
+        mod.LogitRecorder = StandInRecorder
+        sys.modules[mod.__name__] = mod
+        ds_muon.models.attention_logits = mod

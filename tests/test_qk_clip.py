@@ -26,7 +26,9 @@ pytest.importorskip("transformers")
 
 import ds_muon  # noqa: E402
 from hf_models import hf_batches, hf_loss, tiny_llama  # noqa: E402
-from qk_standin import StandInRecorder  # noqa: E402
+import qk_standin  # noqa: E402
+
+qk_standin.install()  # the stand-in recorder until ds_muon.models.attention_logits lands
 
 TAU, STEPS, LR = 1.0, 2, 0.02
 HD = 8  # tiny_llama: hidden 32, 4 query heads, 2 kv heads
@@ -43,7 +45,9 @@ def inflated_llama(**over):
 
 def train(model, clip_tau=None, lr=LR, steps=STEPS, ns_dtype=torch.float32, alpha=0.5):
     """(model, optimizer, clip, [S_max per step from the recorder, before each step]) after ``steps``."""
-    recorder = StandInRecorder(model)
+    from ds_muon.models.attention_logits import LogitRecorder
+
+    recorder = LogitRecorder(model)  # (the run without the clip records too: the same attention path)
     clip = ds_muon.QKClip(model, tau=clip_tau, alpha=alpha, recorder=recorder) if clip_tau is not None else None
     groups = ds_muon.muon_param_groups(model, lr=lr, **({"adam_lr": 0.0} if lr == 0 else {}))  # lr=0: nothing moves
     opt = ds_muon.Muon(groups, ns_dtype=ns_dtype, qk_clip=clip, log_summary=False)
@@ -74,8 +78,8 @@ def weights(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def head_maxima(model, idx) -> dict:
-    rec = next(m._ds_muon_standin for m in model.modules() if hasattr(m, "_ds_muon_standin"))
+def head_maxima(clip, model, idx) -> dict:
+    rec = clip.recorder
     rec.reset()
     with torch.no_grad():
         model(input_ids=idx)
@@ -111,7 +115,7 @@ def test_every_head_ends_at_most_tau():
     (measured here: 0.4%)."""
     with dist_harness.one_thread():
         model, _, clip, seen = train(inflated_llama(), TAU, lr=0.0, steps=1)
-        after = head_maxima(model, hf_batches(1)[0])
+        after = head_maxima(clip, model, hf_batches(1)[0])
     for name, s in after.items():
         assert float(s.max()) <= TAU * 1.02, (name, s)
     first = "model.layers.0.self_attn"
@@ -134,7 +138,7 @@ def test_no_change_when_every_head_is_below_tau():
 
 def test_bad_settings_are_refused():
     model = tiny_llama()
-    rec = StandInRecorder(model)
+    rec = qk_standin.StandInRecorder(model)
     for kw, match in [({"tau": 0.0}, "tau"), ({"tau": float("nan")}, "tau"), ({"alpha": 1.5}, "alpha"),
                       ({"tau": True}, "tau")]:
         with pytest.raises(ValueError, match=match):
@@ -153,7 +157,7 @@ def test_bad_settings_are_refused():
 
 def test_qk_weights_outside_muon_are_refused():
     model = inflated_llama()
-    clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+    clip = ds_muon.QKClip(model, tau=TAU)
     groups = ds_muon.muon_param_groups(model, exclude=["*.q_proj.weight"])
     opt = ds_muon.Muon(groups, qk_clip=clip, log_summary=False)
     hf_loss(model, hf_batches(1)[0]).backward()
@@ -171,7 +175,7 @@ def _torch_stack(stack: str, model, world: int, ns_dtype):
     if stack == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+        clip = ds_muon.QKClip(model, tau=TAU)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
                            log_summary=False)
         return DDP(model), opt, clip, lambda: weights(model)
@@ -183,7 +187,7 @@ def _torch_stack(stack: str, model, world: int, ns_dtype):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+        clip = ds_muon.QKClip(model, tau=TAU)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
                            log_summary=False)
         return model, opt, clip, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -191,7 +195,7 @@ def _torch_stack(stack: str, model, world: int, ns_dtype):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}))
-    clip = ds_muon.QKClip(fsdp, tau=TAU, recorder=StandInRecorder(fsdp))
+    clip = ds_muon.QKClip(fsdp, tau=TAU)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp, ns_dtype=ns_dtype, qk_clip=clip,
                        log_summary=False)
 
@@ -230,21 +234,22 @@ def _torch_worker(rank, world, stacks):
     return out
 
 
-def _zero3_worker(rank, world):
+def _zero_worker(rank, world):
     import deepspeed  # noqa: F401
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from ds_muon import deepspeed as ds_muon_deepspeed
 
     out = {}
-    for ns_dtype in NS_DTYPES:
+    for stage, ns_dtype in [(s, d) for s in (2, 3) for d in NS_DTYPES]:
         model = inflated_llama()
-        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
-        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
-                           log_summary=False)
+        params = {"lr": LR, "ns_dtype": str(ns_dtype).split(".")[1], "log_summary": False, "qk_clip": {"tau": TAU}}
         cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-               "zero_optimization": {"stage": 3}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-        engine, _, _, _ = ds_muon_deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+               "optimizer": {"type": "DsMuon", "params": params},  # QK-clip from the JSON entry
+               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        engine, _, _, _ = ds_muon_deepspeed.initialize(model=model, config=cfg)
+        clip = ds_muon.find_muon(engine).qk_clip
+        assert isinstance(clip, ds_muon.QKClip) and clip.settings() == (TAU, 0.5) and clip.model is model
         s_max, clipped, grads = [], [], []
         for idx in hf_batches(STEPS):
             engine.backward(engine(input_ids=idx, labels=idx).loss)
@@ -254,7 +259,7 @@ def _zero3_worker(rank, world):
             clipped.append(clip.clipped_heads)
         assert engine.skipped_steps == 0
         final = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
-        out["zero3", ns_dtype] = final, s_max, clipped, grads
+        out[f"zero{stage}", ns_dtype] = final, s_max, clipped, grads
     return out
 
 
@@ -263,7 +268,7 @@ def _reference(ns_dtype, grads=None):
     backward sums a shared input's gradient in another order, see test_real_models_zero)."""
     with dist_harness.one_thread():
         model = inflated_llama()
-        clip = ds_muon.QKClip(model, tau=TAU, recorder=StandInRecorder(model))
+        clip = ds_muon.QKClip(model, tau=TAU)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
                            log_summary=False)
         s_max, clipped = [], []
@@ -308,11 +313,14 @@ def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
     assert all(torch.equal(w0[n], w1[n]) for n in w0)  # the replicas stayed equal
 
 
-def test_zero3_equals_one_process_bitwise():
+def test_zero2_zero3_equal_one_process_bitwise():
+    """The DsMuon JSON entry's ``"qk_clip": {"tau": ...}`` under ZeRO-2 and ZeRO-3 (fp32 partitions scaled
+    before DeepSpeed copies them into the model; ZeRO-3 steps one sub-group per Muon.step call)."""
     pytest.importorskip("deepspeed")
-    results = dist_harness.run(_zero3_worker, 2, timeout=300, env=ZERO_ENV)
-    for ns_dtype in NS_DTYPES:
-        final, s_max, clipped, grads = results[0]["zero3", ns_dtype]
-        want = _reference(ns_dtype, grads)
-        for rank, out in enumerate(results):
-            _check(f"ZeRO-3 ns={ns_dtype} rank {rank}", out["zero3", ns_dtype][:3], want)
+    results = dist_harness.run(_zero_worker, 2, timeout=300, env=ZERO_ENV)
+    for stage in ("zero2", "zero3"):
+        for ns_dtype in NS_DTYPES:
+            final, s_max, clipped, grads = results[0][stage, ns_dtype]
+            want = _reference(ns_dtype, grads)
+            for rank, out in enumerate(results):
+                _check(f"{stage} ns={ns_dtype} rank {rank}", out[stage, ns_dtype][:3], want)

@@ -18,7 +18,8 @@ class StandInRecorder:
 
         self.model = model
         self.names = {id(m): n for n, m in model.named_modules()
-                      if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "num_key_value_groups")}
+                      if type(m).__name__.endswith("Attention") and hasattr(m, "scaling")
+                      and any(getattr(m, a, None) is not None for a in ("q_proj", "q_b_proj", "qkv_proj", "query_key_value"))}
         self._max: Dict[str, torch.Tensor] = {}
         AttentionInterface.register(NAME, _attend)
         for m in model.modules():
@@ -37,7 +38,9 @@ class StandInRecorder:
     def heads(self, name):
         m = self.model.get_submodule(name)
         cfg = m.config
-        return cfg.num_attention_heads, cfg.num_key_value_heads, m.head_dim
+        nh = cfg.num_attention_heads
+        hd = getattr(m, "head_dim", None) or getattr(m, "qk_head_dim", None) or m.head_size
+        return nh, getattr(cfg, "num_key_value_heads", None) or nh, hd
 
     def maxima(self):
         return {n: self._max.get(n, torch.full((self.heads(n)[0],), float("-inf"))).clone()
@@ -51,12 +54,16 @@ class StandInRecorder:
 
 
 def _attend(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-    from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
+    import sys
+
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    eager_attention_forward = sys.modules[type(module).__module__].eager_attention_forward  # the module's own
 
     rec = getattr(module, "_ds_muon_standin", None)
     if rec is not None:
         with torch.no_grad():
-            k = repeat_kv(key, module.num_key_value_groups)
+            k = repeat_kv(key, getattr(module, "num_key_value_groups", 1))
             logits = torch.matmul(query, k.transpose(2, 3)).float() * scaling
             if attention_mask is not None:
                 logits = logits.masked_fill(attention_mask[..., : k.shape[-2]] != 0, float("-inf"))

@@ -170,12 +170,17 @@ NS_DTYPES = (torch.float32, torch.bfloat16)
 ZERO_ENV = {"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1"}
 
 
-def _torch_stack(stack: str, model, world: int, ns_dtype):
+def _layers_of(model):
+    inner = getattr(model, "model", None) or model.gpt_neox
+    return inner.layers
+
+
+def _torch_stack(stack: str, model, world: int, ns_dtype, tau=TAU):
     """(model to call, Muon with QK-clip, clip, full parameters()) under DDP, FSDP2 or FSDP1."""
     if stack == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        clip = ds_muon.QKClip(model, tau=TAU)
+        clip = ds_muon.QKClip(model, tau=tau)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
                            log_summary=False)
         return DDP(model), opt, clip, lambda: weights(model)
@@ -184,18 +189,18 @@ def _torch_stack(stack: str, model, world: int, ns_dtype):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
+        for layer in _layers_of(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        clip = ds_muon.QKClip(model, tau=TAU)
+        clip = ds_muon.QKClip(model, tau=tau)
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
                            log_summary=False)
         return model, opt, clip, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}))
-    clip = ds_muon.QKClip(fsdp, tau=TAU)
+    fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(_layers_of(model)[0])}))
+    clip = ds_muon.QKClip(fsdp, tau=tau)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp, ns_dtype=ns_dtype, qk_clip=clip,
                        log_summary=False)
 
@@ -205,19 +210,26 @@ def _torch_stack(stack: str, model, world: int, ns_dtype):
     return fsdp, opt, clip, full
 
 
-def _torch_worker(rank, world, stacks):
+def _build(family):
+    return inflated_llama() if family == "llama" else build_layout(family)
+
+
+def _tau(family):
+    return TAU if family == "llama" else 0.5  # below every inflated head's S_max in both steps
+
+
+def _torch_worker(rank, world, cases):
     out = {}
-    for stack in stacks:
-        for ns_dtype in NS_DTYPES:
-            model, opt, clip, full = _torch_stack(stack, inflated_llama(), world, ns_dtype)
-            s_max, clipped = [], []
-            for idx in hf_batches(STEPS):  # the same batch on every rank: the average is exact
-                hf_loss(model, idx).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                s_max.append({ds_muon.qk_clip.clean_name(n): s for n, s in clip.last_s_max.items()})
-                clipped.append(clip.clipped_heads)
-            out[stack, ns_dtype] = full(), s_max, clipped
+    for stack, family, ns_dtype in cases:
+        model, opt, clip, full = _torch_stack(stack, _build(family), world, ns_dtype, _tau(family))
+        s_max, clipped = [], []
+        for idx in hf_batches(STEPS):  # the same batch on every rank: the average is exact
+            hf_loss(model, idx).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            s_max.append({ds_muon.qk_clip.clean_name(n): s for n, s in clip.last_s_max.items()})
+            clipped.append(clip.clipped_heads)
+        out[stack, family, ns_dtype] = full(), s_max, clipped
     # each rank its own batches: S_max is the max over the ranks (one all_reduce), so the replicas clip alike
     import torch.distributed as dist
 
@@ -234,22 +246,23 @@ def _torch_worker(rank, world, stacks):
     return out
 
 
-def _zero_worker(rank, world):
+def _zero_worker(rank, world, cases):
     import deepspeed  # noqa: F401
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from ds_muon import deepspeed as ds_muon_deepspeed
 
     out = {}
-    for stage, ns_dtype in [(s, d) for s in (2, 3) for d in NS_DTYPES]:
-        model = inflated_llama()
-        params = {"lr": LR, "ns_dtype": str(ns_dtype).split(".")[1], "log_summary": False, "qk_clip": {"tau": TAU}}
+    for stage, family, ns_dtype in cases:
+        model = _build(family)
+        params = {"lr": LR, "ns_dtype": str(ns_dtype).split(".")[1], "log_summary": False,
+                  "qk_clip": {"tau": _tau(family)}}
         cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
                "optimizer": {"type": "DsMuon", "params": params},  # QK-clip from the JSON entry
                "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
         engine, _, _, _ = ds_muon_deepspeed.initialize(model=model, config=cfg)
         clip = ds_muon.find_muon(engine).qk_clip
-        assert isinstance(clip, ds_muon.QKClip) and clip.settings() == (TAU, 0.5) and clip.model is model
+        assert isinstance(clip, ds_muon.QKClip) and clip.settings() == (_tau(family), 0.5) and clip.model is model
         s_max, clipped, grads = [], [], []
         for idx in hf_batches(STEPS):
             engine.backward(engine(input_ids=idx, labels=idx).loss)
@@ -259,16 +272,16 @@ def _zero_worker(rank, world):
             clipped.append(clip.clipped_heads)
         assert engine.skipped_steps == 0
         final = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
-        out[f"zero{stage}", ns_dtype] = final, s_max, clipped, grads
+        out[stage, family, ns_dtype] = final, s_max, clipped, grads
     return out
 
 
-def _reference(ns_dtype, grads=None):
+def _reference(ns_dtype, grads=None, family="llama"):
     """One process, one thread: the same model, batches and clip (stepping on ``grads`` when given: ZeRO-3's
     backward sums a shared input's gradient in another order, see test_real_models_zero)."""
     with dist_harness.one_thread():
-        model = inflated_llama()
-        clip = ds_muon.QKClip(model, tau=TAU)
+        model = _build(family)
+        clip = ds_muon.QKClip(model, tau=_tau(family))
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
                            log_summary=False)
         s_max, clipped = [], []
@@ -293,16 +306,18 @@ def _check(where, got, want):
         assert torch.equal(w_got[n], t), f"{where}: {n} differs (max {float((w_got[n] - t).abs().max()):.3g})"
 
 
+TORCH_CASES = [(stack, "llama", ns) for stack in ("ddp", "fsdp2", "fsdp1") for ns in NS_DTYPES] + [
+    ("fsdp2", "phi3", torch.float32), ("fsdp2", "gpt_neox", torch.float32), ("fsdp2", "mla", torch.float32)]
+
+
 def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
-    stacks = ("ddp", "fsdp2", "fsdp1")
-    results = dist_harness.run(_torch_worker, 2, stacks, timeout=300)
-    for ns_dtype in NS_DTYPES:
-        want = _reference(ns_dtype)
-        for stack in stacks:
-            for rank, out in enumerate(results):
-                _check(f"{stack} ns={ns_dtype} rank {rank}", out[stack, ns_dtype], want)
-
-
+    """Llama on DDP, FSDP2, FSDP1 (fp32, bf16 NS); Phi-3's [q|k|v] row blocks, GPT-NeoX's per-head interleaved
+    blocks and MLA's q_b/kv_b rows cut by FSDP2's shards."""
+    results = dist_harness.run(_torch_worker, 2, TORCH_CASES, timeout=300)
+    for stack, family, ns_dtype in TORCH_CASES:
+        want = _reference(ns_dtype, family=family)
+        for rank, out in enumerate(results):
+            _check(f"{stack} {family} ns={ns_dtype} rank {rank}", out[stack, family, ns_dtype], want)
     (steps, w0), (_, w1) = results[0]["own batches"], results[1]["own batches"]
     for everyone, reduced in steps:
         assert any(not torch.equal(everyone[0][n], everyone[1][n]) for n in reduced)  # the ranks saw different maxima
@@ -313,14 +328,103 @@ def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
     assert all(torch.equal(w0[n], w1[n]) for n in w0)  # the replicas stayed equal
 
 
+ZERO_CASES = [(stage, "llama", ns) for stage in (2, 3) for ns in NS_DTYPES] + [
+    (3, "phi3", torch.float32), (3, "gpt_neox", torch.float32), (3, "mla", torch.float32)]
+
+
 def test_zero2_zero3_equal_one_process_bitwise():
     """The DsMuon JSON entry's ``"qk_clip": {"tau": ...}`` under ZeRO-2 and ZeRO-3 (fp32 partitions scaled
-    before DeepSpeed copies them into the model; ZeRO-3 steps one sub-group per Muon.step call)."""
+    before DeepSpeed copies them into the model; ZeRO-3 steps one sub-group per Muon.step call); the fused
+    and MLA layouts through ZeRO-3's partitions of the tagged tensors."""
     pytest.importorskip("deepspeed")
-    results = dist_harness.run(_zero_worker, 2, timeout=300, env=ZERO_ENV)
-    for stage in ("zero2", "zero3"):
-        for ns_dtype in NS_DTYPES:
-            final, s_max, clipped, grads = results[0][stage, ns_dtype]
-            want = _reference(ns_dtype, grads)
-            for rank, out in enumerate(results):
-                _check(f"{stage} ns={ns_dtype} rank {rank}", out[stage, ns_dtype][:3], want)
+    results = dist_harness.run(_zero_worker, 2, ZERO_CASES, timeout=400, env=ZERO_ENV)
+    for case in ZERO_CASES:
+        stage, family, ns_dtype = case
+        final, s_max, clipped, grads = results[0][case]
+        want = _reference(ns_dtype, grads, family)
+        for rank, out in enumerate(results):
+            _check(f"ZeRO-{stage} {family} ns={ns_dtype} rank {rank}", out[case][:3], want)
+
+
+# -- the other head layouts: fused q|k|v (Phi-3 contiguous, GPT-NeoX interleaved per head) and MLA ---------------
+def tiny_mla(seed: int = 0):
+    """DeepSeek-V3 attention (MLA: q_a/q_b, kv_a_proj_with_mqa, kv_b_proj), dense MLPs."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                              first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                              topk_group=1, max_position_embeddings=32, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    return DeepseekV3ForCausalLM(config)
+
+
+NOPE, ROPE, V = 8, 4, 8
+# family -> (builder, {parameter: rows to inflate})
+LAYOUTS = {
+    "phi3": (lambda: __import__("hf_models").tiny_phi3(), {"model.layers.0.self_attn.qkv_proj.weight": (8, 16),
+                                                          "model.layers.1.self_attn.qkv_proj.weight": (32, 40)}),
+    "gpt_neox": (lambda: __import__("hf_models").tiny_gpt_neox(attention_bias=False),
+                 {"gpt_neox.layers.0.attention.query_key_value.weight": (24, 32),  # head 1's q
+                  "gpt_neox.layers.1.attention.query_key_value.weight": (8, 16)}),  # head 0's k
+    "mla": (tiny_mla, {"model.layers.0.self_attn.q_b_proj.weight": (12, 24),  # head 1's q (nope and rope)
+                       "model.layers.1.self_attn.kv_b_proj.weight": (0, 8)}),  # head 0's k nope
+}
+
+
+def build_layout(family):
+    builder, inflate = LAYOUTS[family]
+    model = builder()
+    with torch.no_grad():
+        for name, (a, b) in inflate.items():
+            model.get_parameter(name)[a:b] *= 40
+    return model
+
+
+def expected_factors(family, s_max: dict, tau: float, alpha: float = 0.5) -> dict:
+    """Per q/k weight, the factor of each row, from the paper's formula and each family's row layout."""
+    out = {}
+    for name, s in s_max.items():
+        gam = [min(1.0, tau / float(x)) for x in s]
+        nh = len(gam)
+        if family == "phi3":  # rows [q heads | k heads | v heads], 4 q heads, 2 kv heads of 8
+            f = [gam[h] ** alpha for h in range(nh) for _ in range(8)]
+            f += [min(gam[2 * j:2 * j + 2]) ** (1 - alpha) for j in range(2) for _ in range(8)] + [1.0] * 16
+            out[f"{name}.qkv_proj.weight"] = f
+        elif family == "gpt_neox":  # rows [head, (q, k, v), 8]
+            out[f"{name}.query_key_value.weight"] = [
+                x for h in range(nh) for x in [gam[h] ** alpha] * 8 + [gam[h] ** (1 - alpha)] * 8 + [1.0] * 8]
+        else:  # MLA (the paper's MLA rule): q_C by gamma^alpha, q_R by gamma, k_C by gamma^(1-alpha), k_R and v not
+            out[f"{name}.q_b_proj.weight"] = [x for h in range(nh) for x in [gam[h] ** alpha] * NOPE + [gam[h]] * ROPE]
+            out[f"{name}.kv_b_proj.weight"] = [x for h in range(nh) for x in [gam[h] ** (1 - alpha)] * NOPE + [1.0] * V]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUTS))
+def test_fused_and_mla_layouts_follow_the_formula(family):
+    """Each layout's q/k rows scaled as the formula says (weights, rtol 1e-6), nothing else touched; at lr=0 the
+    first layer's heads come back at exactly gamma times their S_max where each query head has its own kv head
+    (GPT-NeoX, MLA; rtol 1e-4), and at most tau everywhere."""
+    tau = _tau(family)
+    with dist_harness.one_thread():
+        clipped, _, clip, seen = train(build_layout(family), tau, steps=1)
+        plain, _, _, _ = train(build_layout(family), None, steps=1)
+        still, _, still_clip, seen0 = train(build_layout(family), tau, lr=0.0, steps=1)
+        after = head_maxima(still_clip, still, hf_batches(1)[0])
+    before = seen[0]
+    assert clip.clipped_heads > 0 and any(bool((s < tau).any()) for s in before.values())
+    factors = expected_factors(family, before, tau)
+    got, base = weights(clipped), weights(plain)
+    for n, t in base.items():
+        if n in factors and factors[n] != [1.0] * len(factors[n]):
+            want = t * torch.tensor(factors[n])[:, None]
+            torch.testing.assert_close(got[n], want, rtol=1e-6, atol=0, msg=n)
+        else:
+            assert torch.equal(got[n], t), n
+    first = sorted(before)[0]
+    gam = torch.tensor([min(1.0, tau / float(x)) for x in seen0[0][first]])
+    if family in ("gpt_neox", "mla"):  # one kv head per query head: each head exactly gamma * S_max
+        torch.testing.assert_close(after[first], seen0[0][first] * gam, rtol=1e-4, atol=0)
+    assert float(after[first].max()) <= tau * (1 + 1e-4)

@@ -428,3 +428,97 @@ def test_fused_and_mla_layouts_follow_the_formula(family):
     if family in ("gpt_neox", "mla"):  # one kv head per query head: each head exactly gamma * S_max
         torch.testing.assert_close(after[first], seen0[0][first] * gam, rtol=1e-4, atol=0)
     assert float(after[first].max()) <= tau * (1 + 1e-4)
+
+
+# -- summary, resume, front doors -------------------------------------------------------------------------------
+def test_summary_shows_each_heads_s_max_and_the_clipped_count(tmp_path):
+    with dist_harness.one_thread():
+        model, opt, clip, seen = train(inflated_llama(), TAU, steps=2)
+    s = opt.summary()
+    assert s.qk_clip["clipped_heads"] == clip.clipped_heads > 0 and s.qk_clip["steps"] == 2
+    assert s.qk_clip["clipped_total"] == clip.clipped_total >= clip.clipped_heads
+    assert s.qk_clip["s_max"] == {n: [float(x) for x in t] for n, t in clip.last_s_max.items()}
+    assert s.qk_clip["s_max"] == {n: [float(x) for x in t] for n, t in seen[-1].items()}  # the last step's
+    text = str(s)
+    assert f"QK-clip (tau {TAU:g}, alpha 0.5): {clip.clipped_heads} head(s) clipped" in text
+    assert "model.layers.1.self_attn" in text and f"{float(seen[-1]['model.layers.1.self_attn'][0]):.4g}" in text
+    path = str(tmp_path / "summary.json")
+    s.save(path)
+    assert type(s).load(path).qk_clip == s.qk_clip
+    plain = ds_muon.Muon(ds_muon.muon_param_groups(tiny_llama()), log_summary=False).summary()
+    assert plain.qk_clip is None and "QK-clip" not in str(plain)
+
+
+def test_resume_is_bitwise():
+    """QK-clip keeps no state across steps (each step's window of maxima): a run saved after step 1 and resumed
+    into a fresh model, optimizer and clip ends on the straight run's weights."""
+    with dist_harness.one_thread():
+        straight, _, _, _ = train(inflated_llama(), TAU, steps=2)
+        first, opt1, _, _ = train(inflated_llama(), TAU, steps=1)
+        saved, saved_weights = opt1.state_dict(), weights(first)
+        model = inflated_llama()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved_weights[n])
+        clip = ds_muon.QKClip(model, tau=TAU)
+        opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), qk_clip=clip, ns_dtype=torch.float32,
+                           log_summary=False)
+        opt.load_state_dict(saved)
+        hf_loss(model, hf_batches(2)[1]).backward()
+        opt.step()
+        assert clip.clipped_heads > 0
+    want = weights(straight)
+    assert all(torch.equal(p.detach(), want[n]) for n, p in model.named_parameters())
+
+
+def test_front_doors_build_the_clip_on_the_model():
+    from ds_muon import accelerate as ds_muon_accelerate
+    from ds_muon import deepspeed as ds_muon_deepspeed
+
+    model = inflated_llama()
+    opt = ds_muon_deepspeed.build_optimizer(model, {"lr": LR, "qk_clip": {"tau": 2.0, "alpha": 0.25}})
+    assert isinstance(opt.qk_clip, ds_muon.QKClip) and opt.qk_clip.settings() == (2.0, 0.25)
+    assert opt.qk_clip.model is model
+    assert "qk_clip" in ds_muon_deepspeed.accepted_params()
+    for bad, match in [({"tau": 2.0, "beta": 1}, r"unknown key\(s\) \['beta'\]"), (5.0, "must be an object")]:
+        with pytest.raises(ValueError, match=match):
+            ds_muon_deepspeed.build_optimizer(model, {"qk_clip": bad})
+    muon = ds_muon_accelerate.build_muon(model, {"lr": LR, "qk_clip": {"tau": 3.0}})
+    assert muon.qk_clip.settings() == (3.0, 0.5) and muon.qk_clip.model is model
+
+
+def test_trainer_and_accelerate_settings_clip(tmp_path):
+    """``MuonTrainer(muon_settings={"qk_clip": {...}})`` and ``ds_muon.accelerate.prepare(..., qk_clip=...)``
+    in one process: the clip runs after each step."""
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from ds_muon.accelerate import Accelerator, find_muon, prepare
+    from ds_muon.trainer import MuonTrainer
+
+    class Rows(torch.utils.data.Dataset):
+        rows = torch.cat(hf_batches(2))
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to="none",
+                             use_cpu=True, save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    trainer = MuonTrainer(model=inflated_llama(), args=args, train_dataset=Rows(),
+                          muon_settings={"lr": LR, "qk_clip": {"tau": TAU}})
+    trainer.train()
+    clip = trainer.muon.qk_clip
+    assert clip.steps == 2 and clip.clipped_total > 0 and clip.model is trainer.model
+
+    model = inflated_llama()
+    model, opt = prepare(Accelerator(cpu=True), model, lr=LR, qk_clip={"tau": TAU})
+    hf_loss(model, hf_batches(1)[0]).backward()
+    opt.step()
+    assert find_muon(opt).qk_clip.steps == 1 and find_muon(opt).qk_clip.clipped_heads > 0
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # accelerate keeps singletons: leave none behind
+    GradientState._reset_state()

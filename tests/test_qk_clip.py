@@ -184,7 +184,7 @@ def _torch_stack(stack: str, model, world: int, ns_dtype, tau=TAU):
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
                            log_summary=False)
         return DDP(model), opt, clip, lambda: weights(model)
-    if stack == "fsdp2":
+    if stack in ("fsdp2", "fsdp2 overlap"):  # overlap: waves, gathers sent from backward (updates land in step)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -193,8 +193,9 @@ def _torch_stack(stack: str, model, world: int, ns_dtype, tau=TAU):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         clip = ds_muon.QKClip(model, tau=tau)
+        overlap = dict(overlap=True, waves=2, model=model) if stack == "fsdp2 overlap" else {}
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=ns_dtype, qk_clip=clip,
-                           log_summary=False)
+                           log_summary=False, **overlap)
         return model, opt, clip, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -243,6 +244,16 @@ def _torch_worker(rank, world, cases):
         opt.zero_grad(set_to_none=True)
         steps.append((everyone, dict(clip.last_s_max)))
     out["own batches"] = steps, full()
+    # a setting that differs between ranks is refused on every rank, before anything changes
+    model, opt, clip, full = _torch_stack("ddp", inflated_llama(), world, torch.float32, tau=TAU + rank)
+    hf_loss(model, hf_batches(1)[0]).backward()
+    before = full()
+    try:
+        opt.step()
+        out["differing tau"] = "stepped"
+    except Exception as e:  # noqa: BLE001 - the message is checked
+        out["differing tau"] = f"{type(e).__name__}: {e}"
+    out["unchanged"] = all(torch.equal(before[n], t) for n, t in full().items())
     return out
 
 
@@ -307,6 +318,7 @@ def _check(where, got, want):
 
 
 TORCH_CASES = [(stack, "llama", ns) for stack in ("ddp", "fsdp2", "fsdp1") for ns in NS_DTYPES] + [
+    ("fsdp2 overlap", "llama", torch.float32),
     ("fsdp2", "phi3", torch.float32), ("fsdp2", "gpt_neox", torch.float32), ("fsdp2", "mla", torch.float32)]
 
 
@@ -326,6 +338,9 @@ def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
         assert all(torch.equal(results[1]["own batches"][0][0][1][n], results[0]["own batches"][0][0][1][n])
                    for n in reduced)
     assert all(torch.equal(w0[n], w1[n]) for n in w0)  # the replicas stayed equal
+    for out in results:
+        assert "qk_clip" in out["differing tau"] and "(1.0, 0.5)" in out["differing tau"], out["differing tau"]
+        assert out["unchanged"]
 
 
 ZERO_CASES = [(stage, "llama", ns) for stage in (2, 3) for ns in NS_DTYPES] + [

@@ -408,6 +408,8 @@ class Muon(Optimizer):
         self._init_state()
         failed = failed or LocalFailure.catch(  # every state tensor fits, before any write
             lambda: check_state(self.param_groups, self.state, self._name))
+        if self.qk_clip is not None:  # its layouts are known and its q/k weights are Muon matrices
+            failed = failed or LocalFailure.catch(lambda: self.qk_clip.check(self))
         self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
         skips = self.nonfinite_skips
         loss = self._stages(loss, failed)

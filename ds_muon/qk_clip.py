@@ -242,36 +242,54 @@ class QKClip:
         return out
 
     # -- rows where they live -----------------------------------------------------------------------
-    def _scale(self, opt, projections) -> None:
+    def _lookups(self, opt):
+        """(model tensor id -> clean name, clean name -> tensor, optimizer tensor id -> the name it binds under)."""
         by_id = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
         tensors = {clean_name(n): p for n, p in self.model.named_parameters()}
-        names = {}
-        for gi, g in enumerate(opt.param_groups):
-            for pi, p in enumerate(g["params"]):
-                names[id(p)] = opt._name(gi, pi)
+        names = {id(p): opt._name(gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
+        return by_id, tensors, names
+
+    def _q_k_slots(self, opt, projections):
+        """``(binding, slot, (clean name, key base, block suffix))`` of every q/k matrix bound in this call."""
+        by_id, tensors, names = self._lookups(opt)
         for b in opt._bindings.values():
             for slot in b.matrices:
                 where = self._resolve(b, slot, by_id, names, projections)
-                if where is None:
-                    continue
-                pname, base, suffix = where
-                self._seen.add(pname)
-                factors = self._factors.get(pname)
-                if factors is None or slot.key in self._applied or slot.piece is None or slot.piece.numel == 0:
-                    continue
-                if b.copied:
-                    raise NotImplementedError(f"ds_muon: QKClip: {slot.key} has no flat view in the optimizer's "
-                                              "binding; its rows cannot be scaled in place")
-                positions = self._positions(b, slot, pname, base, suffix, tensors, projections[pname])
-                cols, transposed = self._stored(b, slot, pname, tensors, projections[pname])
-                f = piece_factors(factors, positions, cols, transposed)
-                _multiply(b, slot, f)
-                self._applied.add(slot.key)
+                if where is not None:
+                    yield b, slot, where, tensors
+
+    def check(self, opt) -> None:
+        """Before the step changes anything (``Muon.step`` calls it once the tensors are bound; a failure is
+        raised on every rank by the step's agreement): the attention layouts are known, and every q/k weight
+        is a Muon matrix.  DeepSpeed binds one partition per call, so there the second part is checked once a
+        whole step has bound every partition (at the next step)."""
+        projections = self.projections()
+        for _, _, (pname, _, _), _ in self._q_k_slots(opt, projections):
+            self._seen.add(pname)
         missing = sorted(set(projections) - self._seen)
-        if missing and not opt.adapter.applies_in_step or missing and self.steps > 1:
+        whole = not opt.adapter.applies_in_step or (self.steps >= 1 and self._reduced_at != self._forwards)
+        if missing and whole:
             raise ValueError(f"ds_muon: QKClip: {missing[0]} (and {len(missing) - 1} more) is a q/k weight that no "
                              "Muon param group holds; QK-clip scales the rows of Muon matrices only. Put the q/k "
                              "projections in a Muon group (muon_param_groups does)")
+
+    def _scale(self, opt, projections) -> None:
+        if not self._factors:
+            return  # no head over tau: nothing to touch
+        for b, slot, (pname, base, suffix), tensors in self._q_k_slots(opt, projections):
+            factors = self._factors.get(pname)
+            if factors is None or slot.key in self._applied or slot.piece is None or slot.piece.numel == 0:
+                continue
+            if b.copied:
+                raise NotImplementedError(f"ds_muon: QKClip: {slot.key} has no flat view in the optimizer's "
+                                          "binding; its rows cannot be scaled in place")
+            cols, transposed = self._stored(b, slot, pname, tensors, projections[pname])
+            if not suffix and not transposed and slot.piece.rows == 1 and slot.local_view is None:
+                _multiply_rows(b, slot, factors, cols)  # a run of whole and partial rows: no index tensors
+            else:
+                positions = self._positions(b, slot, pname, base, suffix, tensors, projections[pname])
+                _multiply(b, slot, piece_factors(factors, positions, cols, transposed))
+            self._applied.add(slot.key)
 
     def _resolve(self, b, slot, by_id, names, projections):
         """(clean parameter name, slot key base, block suffix) of a slot that is a q/k projection, else None."""
@@ -367,6 +385,28 @@ def _has_parameter(module: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+@torch.no_grad()
+def _multiply_rows(b, slot, factors: torch.Tensor, cols: int) -> None:
+    """A contiguous piece ``[offset, offset + length)`` of an ``[out, in]`` matrix (``cols`` columns), multiplied
+    in place row by row: a partial first row, whole rows as one ``[rows, cols]`` view, a partial last row."""
+    flat = b.flat(b.param)
+    v = flat[slot.local_offset:slot.local_offset + slot.piece.numel]
+    f = factors.to(v.device)
+    pos, end, at = slot.piece.offset, slot.piece.offset + slot.piece.length, 0
+    while pos < end:
+        row, col = divmod(pos, cols)
+        if col == 0 and end - pos >= cols:
+            n = (end - pos) // cols
+            block = v[at:at + n * cols].view(n, cols)
+            block.copy_((block.to(torch.float32) * f[row:row + n, None]).to(v.dtype))
+            pos, at = pos + n * cols, at + n * cols
+            continue
+        n = min(cols - col, end - pos)
+        part = v[at:at + n]
+        part.copy_((part.to(torch.float32) * f[row]).to(v.dtype))
+        pos, at = pos + n, at + n
 
 
 @torch.no_grad()

@@ -161,7 +161,14 @@ def test_qk_weights_outside_muon_are_refused():
     groups = ds_muon.muon_param_groups(model, exclude=["*.q_proj.weight"])
     opt = ds_muon.Muon(groups, qk_clip=clip, log_summary=False)
     hf_loss(model, hf_batches(1)[0]).backward()
+    before = weights(model)
     with pytest.raises(ValueError, match=r"q_proj\.weight.*no\s+Muon param group"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in weights(model).items())  # refused before anything changed
+    biased = tiny_llama(attention_bias=True)
+    opt = ds_muon.Muon(ds_muon.muon_param_groups(biased), qk_clip=ds_muon.QKClip(biased, tau=TAU))
+    hf_loss(biased, hf_batches(1)[0]).backward()
+    with pytest.raises(NotImplementedError, match=r"q_proj has a bias"):
         opt.step()
 
 

@@ -155,10 +155,10 @@ class QKClip:
                     _Projection(prefix + "k_proj.weight", name, "k", nkv * hd, False, {})]
         for path, reader in READERS.get(what, {}).items():
             child = path.rsplit(".", 1)[0] if "." in path else ""
-            weight = module.get_parameter(path) if _has_parameter(module, path) else None
-            if weight is None:
+            shape = _weight_shape(module, path)
+            if shape is None:
                 continue
-            plan = reader(module, path, global_shape(weight), config, per_head=True)
+            plan = reader(module, path, shape, config, per_head=True)
             if not plan.what.startswith("q|k|v"):
                 continue
             self._no_bias(module, (child,), name)
@@ -170,7 +170,6 @@ class QKClip:
                                               "a run of output features; its layout is not supported")
                 if label[0] in "qk":
                     heads[label] = (int(run[0]), int(run[1]))
-            shape = global_shape(weight)
             return [_Projection(prefix + path, name, "qkv", int(shape[1] if plan.transposed else shape[0]),
                                 plan.transposed, heads)]
         raise NotImplementedError(f"ds_muon: QKClip: {name} ({what}) has neither q_proj/k_proj nor a fused q|k|v "
@@ -313,11 +312,19 @@ class QKClip:
     @staticmethod
     def _tagged(b, pname, tensors):
         """The tensor that carries ``pname``'s shape and tags: the binding's own (local, DDP, FSDP2), the model's
-        parameter of that name (DeepSpeed keeps the model's tensors); None where a stack hides it (FSDP1)."""
+        parameter of that name (DeepSpeed keeps the model's tensors), or the tagged stand-in the FSDP1 adapter
+        binds a flat parameter's original by (FSDP1 hides the tensor itself); None when there is none."""
         t = tensors.get(pname)
-        if t is None or is_flat_shard(t) or len(global_shape(t)) < 2:
-            return None
-        return t
+        if t is not None and not is_flat_shard(t) and len(global_shape(t)) >= 2:
+            return t
+        fqns = getattr(b.param, "_fqns", None)
+        if fqns is not None:
+            from .integrations.fsdp1 import _tag_carrier
+
+            for i, fqn in enumerate(fqns):
+                if pname == fqn or pname.endswith("." + clean_name(fqn)):
+                    return _tag_carrier(b.param, i, pname)
+        return None
 
     def _stored(self, b, slot, pname, tensors, proj) -> Tuple[int, bool]:
         """(columns of the stored tensor, stored [in, out])."""
@@ -341,8 +348,7 @@ class QKClip:
         t = self._tagged(b, pname, tensors)
         if t is None or not is_tagged(t):
             raise NotImplementedError(f"ds_muon: QKClip: {slot.key} is a block of {pname}, whose tags this process "
-                                      "cannot read (FSDP1 with use_orig_params=False); use separate q/k projections "
-                                      "or another stack")
+                                      "cannot read; use separate q/k projections or another stack")
         if getattr(t, BLOCKS, None) is not None:
             for key, _, off, sizes, strides in strided_blocks(t, base):
                 if key == slot.key:
@@ -379,12 +385,21 @@ def clip_from_settings(model: nn.Module, spec, where: str = "qk_clip") -> QKClip
     return QKClip(model, **spec)
 
 
-def _has_parameter(module: nn.Module, path: str) -> bool:
+def _weight_shape(module: nn.Module, path: str) -> Optional[Tuple[int, ...]]:
+    """The global shape of ``module``'s weight at ``path``: the parameter's, or, where a stack hides it (FSDP1
+    flattens it away), the Linear's ``[out_features, in_features]``; None when the module has no such weight."""
     try:
-        module.get_parameter(path)
-        return True
+        return tuple(global_shape(module.get_parameter(path)))
     except AttributeError:
-        return False
+        pass
+    child_path, _, leaf = path.rpartition(".")
+    try:
+        child = module.get_submodule(child_path) if child_path else module
+    except AttributeError:
+        return None
+    if leaf == "weight" and isinstance(getattr(child, "out_features", None), int):
+        return (int(child.out_features), int(child.in_features))
+    return None
 
 
 @torch.no_grad()

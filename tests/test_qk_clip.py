@@ -326,12 +326,13 @@ def _check(where, got, want):
 
 TORCH_CASES = [(stack, "llama", ns) for stack in ("ddp", "fsdp2", "fsdp1") for ns in NS_DTYPES] + [
     ("fsdp2 overlap", "llama", torch.float32),
-    ("fsdp2", "phi3", torch.float32), ("fsdp2", "gpt_neox", torch.float32), ("fsdp2", "mla", torch.float32)]
+    ("fsdp2", "phi3", torch.float32), ("fsdp2", "gpt_neox", torch.float32), ("fsdp2", "mla", torch.float32),
+    ("fsdp1", "phi3", torch.float32), ("fsdp1", "gpt_neox", torch.float32)]
 
 
 def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
     """Llama on DDP, FSDP2, FSDP1 (fp32, bf16 NS); Phi-3's [q|k|v] row blocks, GPT-NeoX's per-head interleaved
-    blocks and MLA's q_b/kv_b rows cut by FSDP2's shards."""
+    blocks and MLA's q_b/kv_b rows cut by FSDP2's shards, and the fused blocks in FSDP1's flat parameters."""
     results = dist_harness.run(_torch_worker, 2, TORCH_CASES, timeout=300)
     for stack, family, ns_dtype in TORCH_CASES:
         want = _reference(ns_dtype, family=family)

@@ -545,3 +545,62 @@ def test_trainer_and_accelerate_settings_clip(tmp_path):
 
     AcceleratorState._reset_state(reset_partial_state=True)  # accelerate keeps singletons: leave none behind
     GradientState._reset_state()
+
+
+# -- the maths and the row runs, over generated inputs ---------------------------------------------------------
+def test_head_scales_keep_every_head_at_most_tau_generated():
+    """Over seeded layouts (heads, kv groups, alpha, maxima around tau): no factor exceeds 1; each head's
+    logit factor (its q scale times its kv head's k scale) is at most gamma_h, so it ends <= tau; the
+    smallest-gamma head of each kv group gets exactly gamma; with one kv head per query head it is the
+    paper's gamma^alpha, gamma^(1-alpha)."""
+    from ds_muon.rules.qk_clip import clip_gammas, head_scales
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        nkv = int(torch.randint(1, 5, (), generator=gen))
+        nq = nkv * int(torch.randint(1, 5, (), generator=gen))
+        alpha = float(torch.rand((), generator=gen))
+        tau = float(torch.rand((), generator=gen)) * 50 + 1
+        s = torch.rand(nq, generator=gen) * 3 * tau
+        s[torch.rand(nq, generator=gen) < 0.1] = float("-inf")  # heads that saw no logit
+        gam = clip_gammas(s, tau)
+        assert torch.equal(gam == 1, ~(s > tau)) and bool(((gam > 0) & (gam <= 1)).all())
+        q, k = head_scales(gam, nkv, alpha)
+        assert bool((q <= 1).all()) and bool((k <= 1).all())
+        logit = q * k.repeat_interleave(nq // nkv)
+        assert bool((logit <= gam * (1 + 1e-6)).all())
+        assert bool((torch.where(s > tau, s * logit, torch.zeros_like(s)) <= tau * (1 + 1e-5)).all())
+        for g in range(nkv):
+            grp = slice(g * (nq // nkv), (g + 1) * (nq // nkv))
+            j = int(gam[grp].argmin())
+            torch.testing.assert_close(logit[grp][j], gam[grp][j], rtol=1e-6, atol=0)
+        if nkv == nq:
+            torch.testing.assert_close(q, gam ** alpha, rtol=0, atol=0)
+            torch.testing.assert_close(k, gam ** (1 - alpha), rtol=0, atol=0)
+    assert torch.equal(clip_gammas(torch.tensor([float("nan"), 5.0]), 1.0), torch.tensor([1.0, 0.2]))
+
+
+def test_row_runs_equal_the_indexed_path_generated():
+    """The row-by-row multiply of a contiguous piece (partial first row, whole rows, partial last row) and the
+    general path (an index per element) give the same bits, over seeded shapes, offsets and lengths."""
+    from ds_muon.engine.layout import MatrixSlot, ParamBinding, Piece
+    from ds_muon.qk_clip import _multiply, _multiply_rows
+    from ds_muon.rules.qk_clip import piece_factors
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        rows, cols = (int(x) for x in torch.randint(1, 9, (2,), generator=gen))
+        numel = rows * cols
+        offset = int(torch.randint(0, numel, (), generator=gen))
+        length = int(torch.randint(1, numel - offset + 1, (), generator=gen))
+        local_offset = int(torch.randint(0, 4, (), generator=gen))
+        factors = torch.rand(rows, generator=gen)
+        data = torch.randn(local_offset + length + 3, generator=gen)
+        slot = MatrixSlot("w", (rows, cols), Piece(offset, length), local_offset)
+        a, b = data.clone(), data.clone()
+        _multiply_rows(ParamBinding(a, lambda t: t, [slot]), slot, factors, cols)
+        positions = offset + torch.arange(length)
+        _multiply(ParamBinding(b, lambda t: t, [slot]), slot, piece_factors(factors, positions, cols, False))
+        assert torch.equal(a, b), (rows, cols, offset, length)
+        assert torch.equal(a[:local_offset], data[:local_offset]) and torch.equal(a[local_offset + length:],
+                                                                                 data[local_offset + length:])

@@ -7,7 +7,7 @@ largest pre-softmax logit since the step before, ``S_max^h``, exceeded ``tau`` h
 
 * ``S_max`` is recorded per head by :class:`ds_muon.models.attention_logits.LogitRecorder` (a wrapper around
   the model's own attention function), over every forward since the last step (gradient accumulation
-  included; the first forward after a step starts a new window), and reduced over the ranks with one
+  included; the step that reads them starts the next window), and reduced over the ranks with one
   ``all_reduce(MAX)`` of every head's maximum, concatenated, per step, in the optimizer's process group.
 * The rows are scaled on each rank's own pieces, as the optimizer's layout describes them (the
   :class:`~ds_muon.engine.layout.MatrixSlot` pieces of each binding): a DTensor's local shard (FSDP2), a
@@ -101,7 +101,9 @@ class QKClip:
         self._applied: set = set()  # matrix keys scaled with the current factors
         self._seen: set = set()  # clean names of q/k weights found in some binding
         self._slot_cache: Dict[tuple, object] = {}
-        self._hook = model.register_forward_pre_hook(self._on_forward)
+        # counts attention calls, so a step knows whether any forward ran since the last reduce (every rank
+        # alike: all run their forwards), even when the model is called below its root
+        self._hooks = [model.get_submodule(n).register_forward_pre_hook(self._on_forward) for n in recorder.maxima()]
 
     # -- settings --------------------------------------------------------------------------------
     def settings(self) -> Tuple[float, float]:
@@ -113,13 +115,12 @@ class QKClip:
 
     def remove(self) -> None:
         """Stop recording (removes the hooks; the optimizer then must not step with this clip)."""
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
         if hasattr(self.recorder, "remove"):
             self.recorder.remove()
 
     def _on_forward(self, module, args):
-        if self._reduced_at == self._forwards:  # the first forward after a step: a new window
-            self.recorder.reset()
         self._forwards += 1
 
     # -- what the model's attention is made of ---------------------------------------------------------
@@ -195,6 +196,7 @@ class QKClip:
 
     def _reduce(self, opt, projections) -> None:
         maxima = self.recorder.maxima()
+        self.recorder.reset()  # the next window starts now (DeepSpeed's later calls of this step use the factors)
         names = sorted({p.module for p in projections.values()})
         local = [maxima[n].detach().to(torch.float32).reshape(-1) for n in names]
         flat = torch.cat(local) if local else torch.empty(0)

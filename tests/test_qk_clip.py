@@ -136,6 +136,24 @@ def test_no_change_when_every_head_is_below_tau():
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_each_step_reads_its_own_window():
+    """The step that reads the maxima starts the next window: right after it every head reads -inf, and the
+    next step's S_max is the max over that step's forwards only (two micro-batches, one called below the root)."""
+    with dist_harness.one_thread():
+        model, opt, clip, seen = train(inflated_llama(), TAU, steps=1)
+        assert all(bool((s == float("-inf")).all()) for s in clip.recorder.maxima().values())
+        a, b = hf_batches(3)[1:]
+        hf_loss(model, a).backward()
+        first = clip.recorder.maxima()
+        h = model.model(input_ids=b).last_hidden_state  # a micro-batch through the inner model, not the root
+        model.lm_head(h).float().logsumexp(-1).mean().backward()
+        both = clip.recorder.maxima()
+        opt.step()
+    assert any(not torch.equal(first[n], both[n]) for n in both)  # the second micro-batch raised some maxima
+    assert all(torch.equal(clip.last_s_max[n], both[n]) for n in both) and clip.steps == 2
+    assert clip.clipped_heads > 0
+
+
 def test_bad_settings_are_refused():
     model = tiny_llama()
     rec = qk_standin.StandInRecorder(model)

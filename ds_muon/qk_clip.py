@@ -104,6 +104,7 @@ class QKClip:
         # counts attention calls, so a step knows whether any forward ran since the last reduce (every rank
         # alike: all run their forwards), even when the model is called below its root
         self._hooks = [model.get_submodule(n).register_forward_pre_hook(self._on_forward) for n in recorder.maxima()]
+        self.projections()  # an attention layout it cannot clip raises now, before any training
 
     # -- settings --------------------------------------------------------------------------------
     def settings(self) -> Tuple[float, float]:
@@ -265,6 +266,8 @@ class QKClip:
         is a Muon matrix.  DeepSpeed binds one partition per call, so there the second part is checked once a
         whole step has bound every partition (at the next step)."""
         projections = self.projections()
+        if len(self._seen) == len(projections):
+            return  # every q/k weight has been found in a Muon binding (bindings do not drop matrices)
         for _, _, (pname, _, _), _ in self._q_k_slots(opt, projections):
             self._seen.add(pname)
         missing = sorted(set(projections) - self._seen)
@@ -294,7 +297,7 @@ class QKClip:
 
     def _resolve(self, b, slot, by_id, names, projections):
         """(clean parameter name, slot key base, block suffix) of a slot that is a q/k projection, else None."""
-        key = (id(b.param), slot.key)
+        key = (id(b), slot.key)  # (bindings live as long as the optimizer's layouts)
         if key in self._slot_cache:
             return self._slot_cache[key]
         out = None

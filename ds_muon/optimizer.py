@@ -92,6 +92,8 @@ class Muon(Optimizer):
     with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
     ranks, each orthogonalizing a column block (:mod:`~ds_muon.engine.team`; not bitwise equal to one
     process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
+    ``qk_clip``: a :class:`ds_muon.QKClip` (QK-clip, MuonClip) that scales the q/k rows of every attention
+    head whose logits exceeded its ``tau`` after each step that was not skipped (:mod:`ds_muon.qk_clip`).
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """

@@ -17,11 +17,12 @@ largest pre-softmax logit since the step before, ``S_max^h``, exceeded ``tau`` h
 * DeepSpeed steps one partition per ``Muon.step`` call: the maxima are reduced once per training step (the
   first call after a forward) and each call scales the q/k matrices it holds.
 * ``apply_in_forward=True`` (updates deferred to the next forward) is refused: the clip must follow the
-  update.  Biased q/k projections are refused (the bias would need the same scale; not done yet).
+  update.  A q/k projection's bias (Qwen2, GPT-2, ``attention_bias=True``) is scaled with its rows, where it
+  lives (an AdamW tensor: the model's own, a DTensor's local rows, an FSDP1 flat slice, a ZeRO partition).
 
 The q and k weights of each attention module are read from the module: separate ``q_proj``/``k_proj``
 (Llama, Qwen, Mistral, …), the fused projections :mod:`ds_muon.models.fused` knows (Phi-3 ``qkv_proj``,
-GPT-NeoX ``query_key_value`` interleaved per head, GPT-2 ``c_attn`` stored ``[in, out]``) and MLA
+GPT-NeoX ``query_key_value`` interleaved per head, GPT-2 ``c_attn`` stored ``[in, out]``, untested) and MLA
 (``q_b_proj``/``q_proj`` with ``kv_b_proj``, DeepSeek-V3 style).
 """
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine.layout import global_shape, is_flat_shard
+from .engine.layout import global_shape, is_flat_shard, local_data
 from .engine.slots import logical_blocks, strided_blocks
 from .engine.tag_keys import BLOCKS, is_tagged
 from .models.fused import READERS
@@ -61,6 +62,7 @@ class _Projection:
     out_features: int
     transposed: bool  # stored [in, out]
     heads: Dict[str, Tuple[int, int]]  # fused: label ("q3", "k1") -> (first output feature, count)
+    bias: Optional[str] = None  # clean name of its bias (one element per output feature), if it has one
 
 
 class QKClip:
@@ -100,6 +102,9 @@ class QKClip:
         self._reduced_at = -1  # self._forwards when the maxima were last reduced
         self._applied: set = set()  # matrix keys scaled with the current factors
         self._seen: set = set()  # clean names of q/k weights found in some binding
+        self._seen_biases: set = set()  # clean names of q/k biases found among the optimizer's tensors
+        self._bias_bindings: Dict[int, object] = {}  # DeepSpeed: a flat AdamW partition's binding, by id
+        self._fsdp1 = None  # FSDP1: which module owns each flat parameter (integrations.fsdp1's index)
         self._slot_cache: Dict[tuple, object] = {}
         # counts attention calls, so a step knows whether any forward ran since the last reduce (every rank
         # alike: all run their forwards), even when the model is called below its root
@@ -148,13 +153,13 @@ class QKClip:
             q = "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj"
             nope, rope = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
             v = int(config.v_head_dim)
-            self._no_bias(module, (q, "kv_b_proj"), name)
-            return [_Projection(prefix + f"{q}.weight", name, "mla_q", nq * (nope + rope), False, {}),
-                    _Projection(prefix + "kv_b_proj.weight", name, "mla_kv", nq * (nope + v), False, {})]
+            return [_Projection(prefix + f"{q}.weight", name, "mla_q", nq * (nope + rope), False, {},
+                                _bias(module, q, prefix)),
+                    _Projection(prefix + "kv_b_proj.weight", name, "mla_kv", nq * (nope + v), False, {},
+                                _bias(module, "kv_b_proj", prefix))]
         if getattr(module, "q_proj", None) is not None and getattr(module, "k_proj", None) is not None:
-            self._no_bias(module, ("q_proj", "k_proj"), name)
-            return [_Projection(prefix + "q_proj.weight", name, "q", nq * hd, False, {}),
-                    _Projection(prefix + "k_proj.weight", name, "k", nkv * hd, False, {})]
+            return [_Projection(prefix + "q_proj.weight", name, "q", nq * hd, False, {}, _bias(module, "q_proj", prefix)),
+                    _Projection(prefix + "k_proj.weight", name, "k", nkv * hd, False, {}, _bias(module, "k_proj", prefix))]
         for path, reader in READERS.get(what, {}).items():
             child = path.rsplit(".", 1)[0] if "." in path else ""
             shape = _weight_shape(module, path)
@@ -163,7 +168,6 @@ class QKClip:
             plan = reader(module, path, shape, config, per_head=True)
             if not plan.what.startswith("q|k|v"):
                 continue
-            self._no_bias(module, (child,), name)
             heads = {}
             for label, (rows, cols) in plan.blocks.items():
                 run = cols if plan.transposed else rows
@@ -173,18 +177,9 @@ class QKClip:
                 if label[0] in "qk":
                     heads[label] = (int(run[0]), int(run[1]))
             return [_Projection(prefix + path, name, "qkv", int(shape[1] if plan.transposed else shape[0]),
-                                plan.transposed, heads)]
+                                plan.transposed, heads, _bias(module, child, prefix))]
         raise NotImplementedError(f"ds_muon: QKClip: {name} ({what}) has neither q_proj/k_proj nor a fused q|k|v "
                                   "projection ds_muon.models.fused knows; its q and k rows cannot be found")
-
-    @staticmethod
-    def _no_bias(module, children, name):
-        for c in children:
-            m = module.get_submodule(c) if c else module
-            if getattr(m, "bias", None) is not None:
-                raise NotImplementedError(
-                    f"ds_muon: QKClip: {name}.{c} has a bias; scaling q/k would need the bias scaled too, which "
-                    "ds_muon does not do yet. Use a model without q/k biases (e.g. attention_bias=False)")
 
     # -- the step ----------------------------------------------------------------------------------
     def after_step(self, opt) -> None:
@@ -223,6 +218,8 @@ class QKClip:
             g = gammas[p.module]
             if bool((g < 1).any()):
                 self._factors[p.name] = self._out_factors(p, g)
+                if p.bias is not None:  # q = W x + b: b scales with W's rows
+                    self._factors[p.bias] = self._factors[p.name]
         self._applied = set()
         self._reduced_at = self._forwards
 
@@ -266,16 +263,20 @@ class QKClip:
         is a Muon matrix.  DeepSpeed binds one partition per call, so there the second part is checked once a
         whole step has bound every partition (at the next step)."""
         projections = self.projections()
-        if len(self._seen) == len(projections):
-            return  # every q/k weight has been found in a Muon binding (bindings do not drop matrices)
+        biases = {p.bias for p in projections.values() if p.bias is not None}
+        if len(self._seen) == len(projections) and self._seen_biases == biases:
+            return  # every q/k weight and bias has been found (bindings do not drop tensors)
         for _, _, (pname, _, _), _ in self._q_k_slots(opt, projections):
             self._seen.add(pname)
-        missing = sorted(set(projections) - self._seen)
+        for name, _, _ in self._bias_sites(opt, biases):
+            self._seen_biases.add(name)
+        missing = sorted(set(projections) - self._seen) + sorted(biases - self._seen_biases)
         whole = not opt.adapter.applies_in_step or (self.steps >= 1 and self._reduced_at != self._forwards)
         if missing and whole:
             raise ValueError(f"ds_muon: QKClip: {missing[0]} (and {len(missing) - 1} more) is a q/k weight that no "
-                             "Muon param group holds; QK-clip scales the rows of Muon matrices only. Put the q/k "
-                             "projections in a Muon group (muon_param_groups does)")
+                             "Muon param group holds (or a q/k bias no param group holds); QK-clip scales the rows "
+                             "of Muon matrices only. Put the q/k projections in a Muon group and their biases in "
+                             "the optimizer (muon_param_groups does both)")
 
     def _scale(self, opt, projections) -> None:
         if not self._factors:
@@ -294,6 +295,59 @@ class QKClip:
                 positions = self._positions(b, slot, pname, base, suffix, tensors, projections[pname])
                 _multiply(b, slot, piece_factors(factors, positions, cols, transposed))
             self._applied.add(slot.key)
+        biases = {p.bias for p in projections.values() if p.bias is not None and p.bias in self._factors}
+        for name, view, start in self._bias_sites(opt, biases):
+            if view is None or view.numel() == 0 or ("bias", name) in self._applied:
+                continue
+            f = self._factors[name][start:start + view.numel()].to(view.device)
+            with torch.no_grad():
+                view.copy_((view.to(torch.float32) * f).to(view.dtype))
+            self._applied.add(("bias", name))
+
+    def _bias_sites(self, opt, biases):
+        """``(clean bias name, the 1-D local data this rank holds of it or None, its first element's index)`` for
+        each of ``biases`` among the tensors this call steps: the model's own tensor (local, DDP; FSDP2: the
+        DTensor's local rows), an FSDP1 flat parameter's slice, a DeepSpeed fp32 partition's fragment."""
+        if not biases:
+            return
+        by_id = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
+        names = getattr(opt.adapter, "names", {}) or {}
+        flats = getattr(opt.adapter, "flats", None) or {}
+        for g in opt.param_groups:
+            for p in g["params"]:
+                name = by_id.get(id(p))
+                if name is None and not hasattr(p, "_fqns") and id(p) not in flats:
+                    name = clean_name(names.get(p, "")) or None  # DeepSpeed stage 0 bf16: an fp32 copy
+                if name in biases:
+                    if getattr(p, "_fsdp_flattened", False):
+                        raise NotImplementedError(f"ds_muon: QKClip: {name} is an FSDP1 use_orig_params=True view; "
+                                                  "scaling its bias is not supported there (use_orig_params=False "
+                                                  "or FSDP2)")
+                    yield name, local_data(p).view(-1), _global_offset(p)
+                elif hasattr(p, "_fqns"):  # an FSDP1 flat parameter: its originals' slices of this shard
+                    from .integrations.fsdp1 import _shard_piece
+
+                    prefix = self._fsdp1_prefix(p)
+                    for i, fqn in enumerate(p._fqns):
+                        full = clean_name(prefix + fqn)
+                        if full in biases:
+                            piece, off = _shard_piece(p, i, full)
+                            yield full, None if piece is None else p.detach().view(-1)[off:off + piece.numel], \
+                                0 if piece is None else piece.offset
+                elif id(p) in flats:  # a DeepSpeed fp32 partition: its fragments, as the adapter binds them
+                    b = self._bias_bindings.get(id(p))
+                    if b is None:
+                        from .integrations.base import BindContext
+
+                        b = self._bias_bindings[id(p)] = opt.adapter.bind(p, "flat", BindContext(
+                            opt.process_group, opt.model, g))
+                    for slot in b.matrices:
+                        key = clean_name(slot.key)
+                        if key in biases:
+                            piece = slot.piece
+                            view = None if piece is None else b.flat(p)[slot.local_offset:slot.local_offset +
+                                                                         piece.numel]
+                            yield key, view, 0 if piece is None else piece.offset
 
     def _resolve(self, b, slot, by_id, names, projections):
         """(clean parameter name, slot key base, block suffix) of a slot that is a q/k projection, else None."""
@@ -314,8 +368,7 @@ class QKClip:
         self._slot_cache[key] = out
         return out
 
-    @staticmethod
-    def _tagged(b, pname, tensors):
+    def _tagged(self, b, pname, tensors):
         """The tensor that carries ``pname``'s shape and tags: the binding's own (local, DDP, FSDP2), the model's
         parameter of that name (DeepSpeed keeps the model's tensors), or the tagged stand-in the FSDP1 adapter
         binds a flat parameter's original by (FSDP1 hides the tensor itself); None when there is none."""
@@ -326,10 +379,20 @@ class QKClip:
         if fqns is not None:
             from .integrations.fsdp1 import _tag_carrier
 
+            prefix = self._fsdp1_prefix(b.param)
             for i, fqn in enumerate(fqns):
-                if pname == fqn or pname.endswith("." + clean_name(fqn)):
+                if clean_name(prefix + fqn) == pname:
                     return _tag_carrier(b.param, i, pname)
         return None
+
+    def _fsdp1_prefix(self, flat) -> str:
+        """The name of the FSDP1 module that owns ``flat`` (as the FSDP1 adapter keys its originals)."""
+        from .integrations.fsdp1 import _Fsdp1Index
+
+        if self._fsdp1 is None or id(flat) not in self._fsdp1.flat:
+            self._fsdp1 = _Fsdp1Index(self.model)
+        entry = self._fsdp1.flat.get(id(flat))
+        return entry[1] if entry is not None else ""
 
     def _stored(self, b, slot, pname, tensors, proj) -> Tuple[int, bool]:
         """(columns of the stored tensor, stored [in, out])."""
@@ -388,6 +451,23 @@ def clip_from_settings(model: nn.Module, spec, where: str = "qk_clip") -> QKClip
     if unknown:
         raise ValueError(f'ds_muon: unknown key(s) {unknown} in {where}; it takes "tau" and "alpha"')
     return QKClip(model, **spec)
+
+
+def _bias(module: nn.Module, child: str, prefix: str) -> Optional[str]:
+    """The clean name of ``module.<child>``'s bias, None when it has none."""
+    m = module.get_submodule(child) if child else module
+    if getattr(m, "bias", None) is None:
+        return None
+    return prefix + (child + "." if child else "") + "bias"
+
+
+def _global_offset(p: torch.Tensor) -> int:
+    """Where a 1-D tensor's local data starts in the whole tensor: 0, or a DTensor shard's global offset."""
+    if not (hasattr(p, "placements") and hasattr(p, "device_mesh")):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return int(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1][0])
 
 
 def _weight_shape(module: nn.Module, path: str) -> Optional[Tuple[int, ...]]:

@@ -71,6 +71,12 @@ def paper_clip(weights: dict, s_max: dict, tau: float, alpha: float, nkv: int) -
             q[h * HD:(h + 1) * HD] *= g ** alpha
         for j in range(nkv):
             k[j * HD:(j + 1) * HD] *= min(gam[j * group:(j + 1) * group]) ** (1 - alpha)
+        qb, kb = out.get(f"{name}.q_proj.bias"), out.get(f"{name}.k_proj.bias")  # q = W x + b: b with W's rows
+        if qb is not None:
+            for h, g in enumerate(gam):
+                qb[h * HD:(h + 1) * HD] *= g ** alpha
+            for j in range(nkv):
+                kb[j * HD:(j + 1) * HD] *= min(gam[j * group:(j + 1) * group]) ** (1 - alpha)
     return out
 
 
@@ -86,11 +92,13 @@ def head_maxima(clip, model, idx) -> dict:
     return rec.maxima()
 
 
-@pytest.mark.parametrize("alpha", [0.5, 0.25])
-def test_single_process_equals_the_papers_formula(alpha):
+@pytest.mark.parametrize("alpha,bias", [(0.5, False), (0.25, False), (0.5, True)])
+def test_single_process_equals_the_papers_formula(alpha, bias):
+    """With ``attention_bias=True`` the q/k biases scale with their rows (q = W x + b)."""
+    over = {"attention_bias": True} if bias else {}
     with dist_harness.one_thread():
-        clipped, _, clip, seen = train(inflated_llama(), TAU, steps=1, alpha=alpha)
-        plain, _, _, _ = train(inflated_llama(), None, steps=1)
+        clipped, _, clip, seen = train(inflated_llama(**over), TAU, steps=1, alpha=alpha)
+        plain, _, _, _ = train(inflated_llama(**over), None, steps=1)
     before = seen[0]
     assert float(before["model.layers.0.self_attn"][1]) > 1.3 * TAU  # the inflated heads exceed tau ...
     assert float(before["model.layers.1.self_attn"][:2].min()) > 1.3 * TAU
@@ -100,8 +108,8 @@ def test_single_process_equals_the_papers_formula(alpha):
     want = paper_clip(weights(plain), before, TAU, alpha, nkv=2)
     got = weights(clipped)
     changed = [n for n in want if not torch.equal(want[n], weights(plain)[n])]
-    assert sorted(changed) == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight",
-                               "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    assert sorted(changed) == sorted(f"model.layers.{i}.self_attn.{w}_proj.{t}" for i in (0, 1) for w in "qk"
+                                     for t in (("weight", "bias") if bias else ("weight",)))
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=0, msg=n)
     assert clip.report()["s_max"] == {n: s.tolist() for n, s in before.items()}
@@ -183,9 +191,6 @@ def test_qk_weights_outside_muon_are_refused():
     with pytest.raises(ValueError, match=r"q_proj\.weight.*no\s+Muon param group"):
         opt.step()
     assert all(torch.equal(p, before[n]) for n, p in weights(model).items())  # refused before anything changed
-    biased = tiny_llama(attention_bias=True)
-    with pytest.raises(NotImplementedError, match=r"q_proj has a bias"):
-        ds_muon.QKClip(biased, tau=TAU)
 
 
 # -- sharded: the same weights as one process ------------------------------------------------------------------
@@ -235,11 +240,13 @@ def _torch_stack(stack: str, model, world: int, ns_dtype, tau=TAU):
 
 
 def _build(family):
+    if family == "llama_bias":
+        return inflated_llama(attention_bias=True)
     return inflated_llama() if family == "llama" else build_layout(family)
 
 
 def _tau(family):
-    return TAU if family == "llama" else 0.5  # below every inflated head's S_max in both steps
+    return TAU if family.startswith("llama") else 0.5  # below every inflated head's S_max in both steps
 
 
 def _torch_worker(rank, world, cases):
@@ -343,7 +350,8 @@ def _check(where, got, want):
 TORCH_CASES = [(stack, "llama", ns) for stack in ("ddp", "fsdp2", "fsdp1") for ns in NS_DTYPES] + [
     ("fsdp2 overlap", "llama", torch.float32),
     ("fsdp2", "phi3", torch.float32), ("fsdp2", "gpt_neox", torch.float32), ("fsdp2", "mla", torch.float32),
-    ("fsdp1", "phi3", torch.float32), ("fsdp1", "gpt_neox", torch.float32)]
+    ("fsdp1", "phi3", torch.float32), ("fsdp1", "gpt_neox", torch.float32)] + [
+    (stack, "llama_bias", torch.float32) for stack in ("ddp", "fsdp2", "fsdp1")]
 
 
 def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
@@ -368,7 +376,8 @@ def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
 
 
 ZERO_CASES = [(stage, "llama", ns) for stage in (2, 3) for ns in NS_DTYPES] + [
-    (3, "phi3", torch.float32), (3, "gpt_neox", torch.float32), (3, "mla", torch.float32)]
+    (3, "phi3", torch.float32), (3, "gpt_neox", torch.float32), (3, "mla", torch.float32),
+    (2, "llama_bias", torch.float32), (3, "llama_bias", torch.float32)]
 
 
 def test_zero2_zero3_equal_one_process_bitwise():

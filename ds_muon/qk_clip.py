@@ -22,7 +22,7 @@ largest pre-softmax logit since the step before, ``S_max^h``, exceeded ``tau`` h
 
 The q and k weights of each attention module are read from the module: separate ``q_proj``/``k_proj``
 (Llama, Qwen, Mistral, …), the fused projections :mod:`ds_muon.models.fused` knows (Phi-3 ``qkv_proj``,
-GPT-NeoX ``query_key_value`` interleaved per head, GPT-2 ``c_attn`` stored ``[in, out]``, untested) and MLA
+GPT-NeoX ``query_key_value`` interleaved per head, GPT-2 ``c_attn`` stored ``[in, out]``) and MLA
 (``q_b_proj``/``q_proj`` with ``kv_b_proj``, DeepSeek-V3 style).
 """
 
@@ -472,7 +472,8 @@ def _global_offset(p: torch.Tensor) -> int:
 
 def _weight_shape(module: nn.Module, path: str) -> Optional[Tuple[int, ...]]:
     """The global shape of ``module``'s weight at ``path``: the parameter's, or, where a stack hides it (FSDP1
-    flattens it away), the Linear's ``[out_features, in_features]``; None when the module has no such weight."""
+    flattens it away), the Linear's ``[out_features, in_features]`` or the Conv1D's ``[nx, nf]``; None when the
+    module has no such weight."""
     try:
         return tuple(global_shape(module.get_parameter(path)))
     except AttributeError:
@@ -484,6 +485,8 @@ def _weight_shape(module: nn.Module, path: str) -> Optional[Tuple[int, ...]]:
         return None
     if leaf == "weight" and isinstance(getattr(child, "out_features", None), int):
         return (int(child.out_features), int(child.in_features))
+    if leaf == "weight" and isinstance(getattr(child, "nf", None), int) and isinstance(getattr(child, "nx", None), int):
+        return (int(child.nx), int(child.nf))  # transformers' Conv1D: stored [in, out]
     return None
 
 

@@ -19,7 +19,7 @@ class StandInRecorder:
         self.model = model
         self.names = {id(m): n for n, m in model.named_modules()
                       if type(m).__name__.endswith("Attention") and hasattr(m, "scaling")
-                      and any(getattr(m, a, None) is not None for a in ("q_proj", "q_b_proj", "qkv_proj", "query_key_value"))}
+                      and any(getattr(m, a, None) is not None for a in ("q_proj", "q_b_proj", "qkv_proj", "query_key_value", "c_attn"))}
         self._max: Dict[str, torch.Tensor] = {}
         AttentionInterface.register(NAME, _attend)
         for m in model.modules():

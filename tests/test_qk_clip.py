@@ -199,6 +199,8 @@ ZERO_ENV = {"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1"}
 
 
 def _layers_of(model):
+    if hasattr(model, "transformer"):
+        return model.transformer.h
     inner = getattr(model, "model", None) or model.gpt_neox
     return inner.layers
 
@@ -351,7 +353,7 @@ TORCH_CASES = [(stack, "llama", ns) for stack in ("ddp", "fsdp2", "fsdp1") for n
     ("fsdp2 overlap", "llama", torch.float32),
     ("fsdp2", "phi3", torch.float32), ("fsdp2", "gpt_neox", torch.float32), ("fsdp2", "mla", torch.float32),
     ("fsdp1", "phi3", torch.float32), ("fsdp1", "gpt_neox", torch.float32)] + [
-    (stack, "llama_bias", torch.float32) for stack in ("ddp", "fsdp2", "fsdp1")]
+    (stack, family, torch.float32) for stack in ("ddp", "fsdp2", "fsdp1") for family in ("llama_bias", "gpt2")]
 
 
 def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
@@ -377,7 +379,7 @@ def test_ddp_fsdp2_fsdp1_equal_one_process_bitwise():
 
 ZERO_CASES = [(stage, "llama", ns) for stage in (2, 3) for ns in NS_DTYPES] + [
     (3, "phi3", torch.float32), (3, "gpt_neox", torch.float32), (3, "mla", torch.float32),
-    (2, "llama_bias", torch.float32), (3, "llama_bias", torch.float32)]
+    (2, "llama_bias", torch.float32), (3, "llama_bias", torch.float32), (3, "gpt2", torch.float32)]
 
 
 def test_zero2_zero3_equal_one_process_bitwise():
@@ -419,6 +421,9 @@ LAYOUTS = {
                   "gpt_neox.layers.1.attention.query_key_value.weight": (8, 16)}),  # head 0's k
     "mla": (tiny_mla, {"model.layers.0.self_attn.q_b_proj.weight": (12, 24),  # head 1's q (nope and rope)
                        "model.layers.1.self_attn.kv_b_proj.weight": (0, 8)}),  # head 0's k nope
+    # GPT-2's c_attn is a Conv1D stored [in, out] with a bias: q, k, v are column blocks
+    "gpt2": (lambda: __import__("hf_models").tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             {"transformer.h.0.attn.c_attn.weight": ("cols", 8, 16), "transformer.h.1.attn.c_attn.weight": ("cols", 32, 40)}),
 }
 
 
@@ -426,8 +431,11 @@ def build_layout(family):
     builder, inflate = LAYOUTS[family]
     model = builder()
     with torch.no_grad():
-        for name, (a, b) in inflate.items():
-            model.get_parameter(name)[a:b] *= 40
+        for name, run in inflate.items():
+            if run[0] == "cols":
+                model.get_parameter(name)[:, run[1]:run[2]] *= 40
+            else:
+                model.get_parameter(name)[run[0]:run[1]] *= 40
     return model
 
 
@@ -441,6 +449,10 @@ def expected_factors(family, s_max: dict, tau: float, alpha: float = 0.5) -> dic
             f = [gam[h] ** alpha for h in range(nh) for _ in range(8)]
             f += [min(gam[2 * j:2 * j + 2]) ** (1 - alpha) for j in range(2) for _ in range(8)] + [1.0] * 16
             out[f"{name}.qkv_proj.weight"] = f
+        elif family == "gpt2":  # columns (and bias elements) [q heads | k heads | v heads], 4 heads of 8
+            f = [gam[h] ** alpha for h in range(nh) for _ in range(8)]
+            f += [gam[h] ** (1 - alpha) for h in range(nh) for _ in range(8)] + [1.0] * 32
+            out[f"{name}.c_attn.weight"] = out[f"{name}.c_attn.bias"] = f
         elif family == "gpt_neox":  # rows [head, (q, k, v), 8]
             out[f"{name}.query_key_value.weight"] = [
                 x for h in range(nh) for x in [gam[h] ** alpha] * 8 + [gam[h] ** (1 - alpha)] * 8 + [1.0] * 8]
@@ -467,13 +479,14 @@ def test_fused_and_mla_layouts_follow_the_formula(family):
     got, base = weights(clipped), weights(plain)
     for n, t in base.items():
         if n in factors and factors[n] != [1.0] * len(factors[n]):
-            want = t * torch.tensor(factors[n])[:, None]
+            f = torch.tensor(factors[n])
+            want = t * (f if t.dim() == 1 else f[None, :] if family == "gpt2" else f[:, None])
             torch.testing.assert_close(got[n], want, rtol=1e-6, atol=0, msg=n)
         else:
             assert torch.equal(got[n], t), n
     first = sorted(before)[0]
     gam = torch.tensor([min(1.0, tau / float(x)) for x in seen0[0][first]])
-    if family in ("gpt_neox", "mla"):  # one kv head per query head: each head exactly gamma * S_max
+    if family in ("gpt_neox", "mla", "gpt2"):  # one kv head per query head: each head exactly gamma * S_max
         torch.testing.assert_close(after[first], seen0[0][first] * gam, rtol=1e-4, atol=0)
     assert float(after[first].max()) <= tau * (1 + 1e-4)
 

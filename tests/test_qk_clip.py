@@ -230,7 +230,8 @@ def _torch_stack(stack: str, model, world: int, ns_dtype, tau=TAU):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(_layers_of(model)[0])}))
+    fsdp = FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(_layers_of(model)[0])}),
+                use_orig_params=stack == "fsdp1 orig")
     clip = ds_muon.QKClip(fsdp, tau=tau)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp, ns_dtype=ns_dtype, qk_clip=clip,
                        log_summary=False)
@@ -350,7 +351,7 @@ def _check(where, got, want):
 
 
 TORCH_CASES = [(stack, "llama", ns) for stack in ("ddp", "fsdp2", "fsdp1") for ns in NS_DTYPES] + [
-    ("fsdp2 overlap", "llama", torch.float32),
+    ("fsdp2 overlap", "llama", torch.float32), ("fsdp1 orig", "llama", torch.float32),
     ("fsdp2", "phi3", torch.float32), ("fsdp2", "gpt_neox", torch.float32), ("fsdp2", "mla", torch.float32),
     ("fsdp1", "phi3", torch.float32), ("fsdp1", "gpt_neox", torch.float32)] + [
     (stack, family, torch.float32) for stack in ("ddp", "fsdp2", "fsdp1") for family in ("llama_bias", "gpt2")]

@@ -104,6 +104,9 @@ def parse_params(params: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict
         if any(k in ("betas", "eps", "muon_lr", "ns_method", "max_grad_norm") for k in unknown):
             hint = (' (DeepSpeed\'s built-in Muon spells some of these differently: use "adam_betas", "adam_eps", '
                     '"lr", "ns_coefficients"; clip with the top-level "gradient_clipping")')
+        spelled = {"weight_decay_method": '"weight_decay_mode"', "cautious_wd": '"weight_decay_mode": "cautious"',
+                   "muon_beta2": '"normuon_beta2"'}  # Emerging-Optimizers' and dion's names for ours
+        hint += "".join(f' (for "{k}" use {v})' for k, v in spelled.items() if k in unknown)
         if "apply_in_forward" in unknown:
             hint += (" (under DeepSpeed every update is applied inside step(): ZeRO copies the partitions into "
                      "the model right after it)")

@@ -54,6 +54,7 @@ from .engine.tag_keys import restore_tags
 from .engine.team import TeamGroups
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
+from .rules.decay import adamw_decay_
 
 MODES = ("sharded", "duplicated")
 DEFAULT_ADAM_LR = 3e-4  # for the AdamW slices of mixed flat shards without "adam_lr" (as muon_param_groups)
@@ -517,11 +518,14 @@ class Muon(Optimizer):
         st = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         kernel = getattr(self, "adamw_kernel", None) or functional_adamw  # opt-in: ds_muon.integrations.deepspeed_cpu_adam
+        weights, grads, exp_avgs = ([local_shard(p) for p in params], [local_shard(p.grad) for p in params],
+                                    [local_shard(s["exp_avg"]) for s in st])
+        decay = adamw_decay_(weights, grads, exp_avgs, group.get("weight_decay_mode", "decoupled"), group["lr"],
+                             group["weight_decay"], beta1)  # independent/cautious here, decoupled in the kernel
         kernel(
-            [local_shard(p) for p in params], [local_shard(p.grad) for p in params], [local_shard(s["exp_avg"]) for s in st],
-            [local_shard(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st], foreach=group.get("foreach"),
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False,
+            weights, grads, exp_avgs, [local_shard(s["exp_avg_sq"]) for s in st], [], [s["step"] for s in st],
+            foreach=group.get("foreach"), amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=decay, eps=group["eps"], maximize=False,
         )
 
     def _skip_empty(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -539,7 +543,9 @@ class Muon(Optimizer):
 
         Hyper-parameters: the group's ``adam_lr`` (default 3e-4, as in
         ``muon_param_groups``), ``adam_betas``/``adam_eps`` (default the optimizer's),
-        ``adam_weight_decay`` (default 0).  One step count per tensor, shared by its slices.
+        ``adam_weight_decay`` (default 0), decayed by the optimizer's ``weight_decay_mode`` (the mode
+        an AdamW group of ``muon_param_groups`` takes; :func:`ds_muon.rules.decay.adamw_decay_`).
+        One step count per tensor, shared by its slices.
         """
         views = ([], [], [], [], [])
         for p in self._skip_empty([p for p in params if self._bindings[id(p)].has_adam]):
@@ -553,10 +559,13 @@ class Muon(Optimizer):
         if not views[0]:
             return
         beta1, beta2 = group.get("adam_betas", self.adam_betas)
+        lr = group.get("adam_lr", DEFAULT_ADAM_LR)
+        # the mode an AdamW group of muon_param_groups gets (the optimizer's), as for the other adam_* keys
+        decay = adamw_decay_(views[0], views[1], views[2], self.defaults["weight_decay_mode"], lr,
+                             group.get("adam_weight_decay", 0.0), beta1)
         functional_adamw(
             views[0], views[1], views[2], views[3], [], views[4], foreach=group.get("foreach"), amsgrad=False,
-            beta1=beta1, beta2=beta2, lr=group.get("adam_lr", DEFAULT_ADAM_LR),
-            weight_decay=group.get("adam_weight_decay", 0.0), eps=group.get("adam_eps", self.adam_eps),
+            beta1=beta1, beta2=beta2, lr=lr, weight_decay=decay, eps=group.get("adam_eps", self.adam_eps),
             maximize=False,
         )
 

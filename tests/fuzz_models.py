@@ -486,4 +486,6 @@ def torch_comparable(case: Case) -> Optional[str]:
         return "torch.optim.Muon's adjust_lr_fn='original' is shape_scaling x 1"
     if case.settings.weight_decay and kw["weight_decay_mode"] != "decoupled":
         return "torch.optim.Muon decays decoupled only"
+    if case.settings.adam_weight_decay and kw["weight_decay_mode"] in ("independent", "cautious"):
+        return "torch.optim.AdamW decays decoupled only (ds_muon's AdamW tensors follow the mode)"
     return None

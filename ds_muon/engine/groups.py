@@ -13,11 +13,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..rules.decay import WEIGHT_DECAY_MODES, check_mode  # noqa: F401 (the modes, read from here by callers)
 from ..rules.newton_schulz import NS_METHODS, resolve_coefficients
 from ..rules.scaling import check_scale_mode
 from .layout import global_shape, is_flat_shard
-
-WEIGHT_DECAY_MODES = ("decoupled", "l2")
 
 
 def as_dtype(value, name: str) -> torch.dtype:
@@ -178,15 +177,12 @@ def check_settings(group: dict, gi: int) -> None:
     _check_booleans(group, gi)
     _check_lr(group, "lr", gi)
     _number(group, "weight_decay", gi)
+    _check_decay_mode(group, gi)
     if not group["use_muon"]:
         _check_betas(group, "betas", gi)
         _number(group, "eps", gi)
         return
     _number(group, "momentum", gi, below=1.0)
-    if group["weight_decay_mode"] not in WEIGHT_DECAY_MODES:
-        raise ValueError(
-            f"param_groups[{gi}]: weight_decay_mode={group['weight_decay_mode']!r} is unknown; "
-            f"use one of {list(WEIGHT_DECAY_MODES)}")
     try:
         _check_schedule(group["ns_coefficients"], group["ns_steps"])
         check_scale_mode(group["scale_mode"])
@@ -200,6 +196,23 @@ def check_settings(group: dict, gi: int) -> None:
     for key in ("adam_lr", "adam_weight_decay", "adam_eps", "adam_betas"):  # mixed flat shards (FSDP1)
         if key in group:
             {"adam_lr": _check_lr, "adam_betas": _check_betas}.get(key, _number)(group, key, gi)
+
+
+def _check_decay_mode(group: dict, gi: int) -> None:
+    """The mode (AdamW groups too: they decay by it, ds_muon.rules.decay.adamw_decay_); independent
+    decay multiplies by ``1 - weight_decay`` every step, so there it must be below 1 (and so must
+    ``adam_weight_decay``, the AdamW slices' decay of a Muon group)."""
+    mode = group.get("weight_decay_mode", "decoupled")  # an AdamW group from before AdamW read it
+    bad = check_mode(mode)
+    if bad:
+        raise ValueError(f"param_groups[{gi}]: {bad}")
+    if mode == "independent":
+        for key in ("weight_decay", "adam_weight_decay"):
+            if key in group and isinstance(group[key], (int, float)) and group[key] >= 1:
+                raise ValueError(
+                    f"param_groups[{gi}]: {key}={group[key]!r} with weight_decay_mode='independent' multiplies the "
+                    f"weights by 1 - {key} = {1 - group[key]!r} every step (independent decay is not scaled by lr); "
+                    f"use a {key} in [0, 1), typically lr times the decoupled value")
 
 
 def check_loaded_groups(groups: List[dict], saved_groups: List[dict], defaults: dict, adam_betas, adam_eps) -> None:

@@ -11,6 +11,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .decay import Decay, decay_, decay_of
 from .scaling import get_muon_scale_factor
 
 
@@ -62,14 +63,13 @@ def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[t
     return list(torch._foreach_lerp(grads, wanted, group["momentum"])), new
 
 
-def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: bool) -> Tuple[Optional[float], float]:
+def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: bool) -> Tuple[Decay, float]:
     """``(decay, alpha)`` for :func:`apply_result`, read from ``group`` now (a scheduler
-    stepping before a deferred apply must not change this step's update).  ``decay`` is
-    None without decoupled weight decay."""
+    stepping before a deferred apply must not change this step's update).  ``decay``
+    (:func:`ds_muon.rules.decay.decay_of`): None without weight decay on the weight (none, or
+    ``l2``), a factor (decoupled, independent) or a cautious factor."""
     lr = float(group["lr"])  # a tensor lr (as torch.optim allows) is read as a number here
-    decay = None
-    if group["weight_decay"] and group["weight_decay_mode"] == "decoupled":
-        decay = 1 - lr * group["weight_decay"]
+    decay = decay_of(group["weight_decay_mode"], lr, group["weight_decay"])
     rows, cols = matrix_shape
     if transposed:  # stored [in, out]: the layer maps cols -> rows the other way
         rows, cols = cols, rows
@@ -77,17 +77,17 @@ def apply_coefficients(group: dict, matrix_shape: Tuple[int, int], transposed: b
     return decay, alpha
 
 
-def apply_result(params: List[torch.Tensor], results: List[torch.Tensor], decay: Optional[float],
+def apply_result(params: List[torch.Tensor], results: List[torch.Tensor], decay: Decay,
                  alpha: float, all_flat: bool = False) -> None:
     """``param = param * decay + alpha * result`` in place, for pieces (flat) that share
-    ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation.  A result may be a
+    ``decay`` and ``alpha``; one ``torch._foreach_*`` call per operation (cautious decay:
+    only where ``param * result >= 0``, :mod:`ds_muon.rules.decay`).  A result may be a
     ``[rows, length]`` piece (a column block), shaped here like its parameter piece (flat, or a
     strided view of a fused block) unless the caller says ``all_flat``."""
     if not params:
         return
     results = to_device_of(params, results)  # NS ran on the accelerator for host pieces (offload)
-    if decay is not None:
-        torch._foreach_mul_(params, decay)
     if not all_flat:
         results = [r if r.shape == p.shape else r.reshape(p.shape) for p, r in zip(params, results)]
+    decay_(params, results, decay)
     torch._foreach_add_(params, results, alpha=alpha)

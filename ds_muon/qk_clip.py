@@ -158,8 +158,8 @@ class QKClip:
                     _Projection(prefix + "kv_b_proj.weight", name, "mla_kv", nq * (nope + v), False, {},
                                 _bias(module, "kv_b_proj", prefix))]
         if getattr(module, "q_proj", None) is not None and getattr(module, "k_proj", None) is not None:
-            return [_Projection(prefix + "q_proj.weight", name, "q", nq * hd, False, {}, _bias(module, "q_proj", prefix)),
-                    _Projection(prefix + "k_proj.weight", name, "k", nkv * hd, False, {}, _bias(module, "k_proj", prefix))]
+            return [_Projection(prefix + f"{w}_proj.weight", name, w, n * hd, False, {},
+                                _bias(module, f"{w}_proj", prefix)) for w, n in (("q", nq), ("k", nkv))]
         for path, reader in READERS.get(what, {}).items():
             child = path.rsplit(".", 1)[0] if "." in path else ""
             shape = _weight_shape(module, path)

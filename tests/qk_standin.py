@@ -10,6 +10,7 @@ from typing import Dict
 import torch
 
 NAME = "ds_muon_qk_standin"
+PROJECTIONS = ("q_proj", "q_b_proj", "qkv_proj", "query_key_value", "c_attn")  # an attention module has one
 
 
 class StandInRecorder:
@@ -19,7 +20,7 @@ class StandInRecorder:
         self.model = model
         self.names = {id(m): n for n, m in model.named_modules()
                       if type(m).__name__.endswith("Attention") and hasattr(m, "scaling")
-                      and any(getattr(m, a, None) is not None for a in ("q_proj", "q_b_proj", "qkv_proj", "query_key_value", "c_attn"))}
+                      and any(getattr(m, a, None) is not None for a in PROJECTIONS)}
         self._max: Dict[str, torch.Tensor] = {}
         AttentionInterface.register(NAME, _attend)
         for m in model.modules():

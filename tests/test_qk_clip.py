@@ -424,7 +424,8 @@ LAYOUTS = {
                        "model.layers.1.self_attn.kv_b_proj.weight": (0, 8)}),  # head 0's k nope
     # GPT-2's c_attn is a Conv1D stored [in, out] with a bias: q, k, v are column blocks
     "gpt2": (lambda: __import__("hf_models").tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-             {"transformer.h.0.attn.c_attn.weight": ("cols", 8, 16), "transformer.h.1.attn.c_attn.weight": ("cols", 32, 40)}),
+             {"transformer.h.0.attn.c_attn.weight": ("cols", 8, 16),  # head 1's q
+              "transformer.h.1.attn.c_attn.weight": ("cols", 32, 40)}),  # head 0's k
 }
 
 

@@ -644,3 +644,26 @@ def test_row_runs_equal_the_indexed_path_generated():
         assert torch.equal(a, b), (rows, cols, offset, length)
         assert torch.equal(a[:local_offset], data[:local_offset]) and torch.equal(a[local_offset + length:],
                                                                                  data[local_offset + length:])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2_moe", "mixtral", "phi3", "gpt_neox"])
+def test_every_family_ends_at_tau(family):
+    """The tiny models of tests/hf_models.py as they are (Qwen2-MoE's and GPT-NeoX's q/k biases, GPT-2's
+    Conv1D, MoE layers), tau at half the first layer's smallest S_max so every head there is clipped: at lr=0
+    the next forward's first-layer heads are all at most tau, and each kv group's largest at tau (rtol 1e-4;
+    with one kv head per query head, every head), whatever the layout."""
+    import hf_models
+
+    builders = {**hf_models.FAMILIES, "phi3": hf_models.tiny_phi3, "gpt_neox": hf_models.tiny_gpt_neox}
+    kw = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" else {}
+    with dist_harness.one_thread():
+        probe, _, _, seen = train(builders[family](**kw), None, lr=0.0, steps=1)
+        first = min(seen[0])  # the first attention module by name (layer 0)
+        tau = 0.5 * float(seen[0][first].min())
+        model, _, clip, _ = train(builders[family](**kw), tau, lr=0.0, steps=1)
+        after = head_maxima(clip, model, hf_batches(1)[0])
+    assert clip.clipped_heads >= len(seen[0][first])
+    nq, nkv, _ = clip.recorder.heads(first)
+    groups = after[first].view(nkv, nq // nkv)  # GQA: each kv group's smallest-gamma head at tau, the rest below
+    assert float(groups.max()) <= tau * (1 + 1e-4)
+    torch.testing.assert_close(groups.amax(dim=1), torch.full((nkv,), tau), rtol=1e-4, atol=0)

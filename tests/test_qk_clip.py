@@ -317,6 +317,18 @@ def _zero_worker(rank, world, cases):
         assert engine.skipped_steps == 0
         final = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
         out[stage, family, ns_dtype] = final, s_max, clipped, grads
+    # q_proj in the AdamW group: ZeRO-3 hands Muon one partition per call, so the refusal comes at the next step
+    params = {"lr": LR, "log_summary": False, "exclude": ["*.q_proj.weight"], "qk_clip": {"tau": TAU}}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "DsMuon", "params": params}, "zero_optimization": {"stage": 3}}
+    engine, _, _, _ = ds_muon_deepspeed.initialize(model=inflated_llama(), config=cfg)
+    try:
+        for idx in hf_batches(2):
+            engine.backward(engine(input_ids=idx, labels=idx).loss)
+            engine.step()
+        out["adamw q_proj"] = "stepped"
+    except ValueError as e:
+        out["adamw q_proj"] = str(e)
     return out
 
 
@@ -395,6 +407,8 @@ def test_zero2_zero3_equal_one_process_bitwise():
         want = _reference(ns_dtype, grads, family)
         for rank, out in enumerate(results):
             _check(f"ZeRO-{stage} {family} ns={ns_dtype} rank {rank}", out[case][:3], want)
+    for out in results:
+        assert "q_proj.weight" in out["adamw q_proj"] and "no Muon param group" in out["adamw q_proj"]
 
 
 # -- the other head layouts: fused q|k|v (Phi-3 contiguous, GPT-NeoX interleaved per head) and MLA ---------------

@@ -18,7 +18,6 @@ import torch
 from common import header, table
 
 import ds_muon
-import qk_standin
 
 
 def build(d: int, layers: int, heads: int, seed: int = 0):
@@ -39,7 +38,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    qk_standin.install()  # the real recorder when ds_muon.models.attention_logits is there
     header(f"QK-clip step cost: Llama d={args.d}, {args.layers} layers, {args.heads} heads, one thread")
     runs = {}
     for label, tau in (("A: no QK-clip", None), ("B: tau above every head", 1e9), ("C: every head clipped", 1e-9)):

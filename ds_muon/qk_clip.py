@@ -39,6 +39,7 @@ from torch import nn
 from .engine.layout import global_shape, is_flat_shard, local_data
 from .engine.slots import logical_blocks, strided_blocks
 from .engine.tag_keys import BLOCKS, is_tagged
+from .models.attention_logits import LogitRecorder
 from .models.fused import READERS
 from .rules.qk_clip import clip_gammas, head_scales, mla_row_factors, piece_factors, row_factors
 
@@ -85,12 +86,7 @@ class QKClip:
                              "scale equally)")
         self.model, self.tau, self.alpha = model, float(tau), float(alpha)
         if recorder is None:
-            try:
-                from .models.attention_logits import LogitRecorder
-            except ImportError as e:  # pragma: no cover - until the recorder lands
-                raise ImportError(f"ds_muon: QKClip needs ds_muon.models.attention_logits.LogitRecorder ({e}); pass "
-                                  "recorder= (an object with maxima(), reset(), heads(name))") from None
-            recorder = LogitRecorder(model)
+            recorder = LogitRecorder(model)  # (a model's recorder is one: LogitRecorder(model) returns it again)
         self.recorder = recorder
         self.last_s_max: Dict[str, torch.Tensor] = {}
         self.clipped_heads = 0  # in the last step

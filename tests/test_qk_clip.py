@@ -9,8 +9,7 @@ q/k weights are inflated so some heads' logits exceed tau.
 * FSDP2 W=2 and DeepSpeed ZeRO-3 W=2 (fp32 and bf16 NS, one spawned job per stack) give the single
   process's weights bitwise, and the same reduced S_max.
 
-The recorder is ``tests/qk_standin.py`` (the interface of ``ds_muon.models.attention_logits.LogitRecorder``)
-until that lands.
+S_max is recorded by ``ds_muon.models.attention_logits.LogitRecorder`` (its own tests: test_attention_logits.py).
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ pytest.importorskip("transformers")
 
 import ds_muon  # noqa: E402
 from hf_models import hf_batches, hf_loss, tiny_llama  # noqa: E402
-import qk_standin  # noqa: E402
-
-qk_standin.install()  # the stand-in recorder until ds_muon.models.attention_logits lands
+from ds_muon.models.attention_logits import LogitRecorder  # noqa: E402
 
 TAU, STEPS, LR = 1.0, 2, 0.02
 HD = 8  # tiny_llama: hidden 32, 4 query heads, 2 kv heads
@@ -45,8 +42,6 @@ def inflated_llama(**over):
 
 def train(model, clip_tau=None, lr=LR, steps=STEPS, ns_dtype=torch.float32, alpha=0.5):
     """(model, optimizer, clip, [S_max per step from the recorder, before each step]) after ``steps``."""
-    from ds_muon.models.attention_logits import LogitRecorder
-
     recorder = LogitRecorder(model)  # (the run without the clip records too: the same attention path)
     clip = ds_muon.QKClip(model, tau=clip_tau, alpha=alpha, recorder=recorder) if clip_tau is not None else None
     groups = ds_muon.muon_param_groups(model, lr=lr, **({"adam_lr": 0.0} if lr == 0 else {}))  # lr=0: nothing moves
@@ -164,7 +159,7 @@ def test_each_step_reads_its_own_window():
 
 def test_bad_settings_are_refused():
     model = tiny_llama()
-    rec = qk_standin.StandInRecorder(model)
+    rec = LogitRecorder(model)
     for kw, match in [({"tau": 0.0}, "tau"), ({"tau": float("nan")}, "tau"), ({"alpha": 1.5}, "alpha"),
                       ({"tau": True}, "tau")]:
         with pytest.raises(ValueError, match=match):

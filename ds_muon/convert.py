@@ -40,6 +40,7 @@ from .optimizer import Muon
 from .param_groups import muon_param_groups
 
 MUON_KEYS = ("momentum_buffer",)
+NORMUON_V = "normuon_v"  # NorMuon's second moment, carried where the source has it (ds_muon.engine.row_moments)
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
 FORMATS = ("auto", "deepspeed", "universal", "dcp", "torch")
 TARGETS = ("universal", "dcp", "torch")
@@ -234,6 +235,9 @@ def load_named(muon: Muon, named_or_state, model: Optional[nn.Module] = None, fr
             src = state.get(name, {})
             if all(k in src for k in keys):
                 new = {k: _as_tensor_like(src[k], p, name, k) for k in keys}
+                if g["use_muon"] and NORMUON_V in src:  # NorMuon's v: whole per tensor, float32 (any source layout)
+                    new[NORMUON_V] = torch.as_tensor(src[NORMUON_V]).detach().to(device=p.device,
+                                                                                 dtype=torch.float32).clone()
                 if not g["use_muon"]:
                     new["step"] = _as_tensor_like(src.get("step", 0), p, name, "step")
                 plan.append((p, new))
@@ -356,6 +360,12 @@ def write_universal(model: nn.Module, muon: Muon, folder: str, config: Optional[
     for g in muon.param_groups:
         for p, n in zip(g["params"], g["param_names"]):
             by_name[n] = (g["use_muon"], muon.state[p])
+    held = [n for n, (_, st) in by_name.items() if NORMUON_V in st]
+    if held:
+        raise NotImplementedError(
+            f"ds_muon.convert: {held[0]} (and {len(held) - 1} more) holds NorMuon's second moment ({NORMUON_V!r}), "
+            "which this writer cannot lay out per DeepSpeed flat partition yet; nothing was written. Convert to a "
+            "torch file or DCP, or convert the DeepSpeed checkpoint itself (zero_to_universal carries it)")
     with _one_rank_group(), tempfile.TemporaryDirectory() as tmp:
         engine, _, _, _ = initialize(model=model, config=cfg)
         target = engine.basic_optimizer

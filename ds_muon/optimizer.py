@@ -48,6 +48,8 @@ from .engine.offload import accelerator
 from .engine.overlap import OverlapSettings, Wave
 from .engine.pieces import WavePieces
 from .engine.planner import STRATEGIES, CostModel
+from .engine.row_moments import (KEY as NORMUON_V, RowMoments, check_moments, fsdp1_moments, is_normuon, new_moment,
+                                 restore_moments, split_moments)
 from .engine.state_check import check_loaded_state, check_state
 from .engine.summary import Summary, log_first_step, summarize
 from .engine.tag_keys import restore_tags
@@ -93,6 +95,9 @@ class Muon(Optimizer):
     with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
     ranks, each orthogonalizing a column block (:mod:`~ds_muon.engine.team`; not bitwise equal to one
     process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
+    ``variant="normuon"`` (per group too; default ``"muon"``) divides each output neuron's row of the NS
+    result by the root of its running mean square (``normuon_beta2``) and restores the matrix's norm
+    (:mod:`~ds_muon.rules.normuon`; its state, ``normuon_v``: :mod:`~ds_muon.engine.row_moments`).
     ``qk_clip``: a :class:`ds_muon.QKClip` (QK-clip, MuonClip) that scales the q/k rows of every attention
     head whose logits exceeded its ``tau`` after each step that was not skipped (:mod:`ds_muon.qk_clip`).
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
@@ -107,6 +112,8 @@ class Muon(Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         weight_decay_mode: str = "decoupled",
+        variant: str = "muon",
+        normuon_beta2: float = 0.95,
         ns_steps: int = 5,
         ns_coefficients="keller",
         ns_method: str = "standard",
@@ -171,6 +178,7 @@ class Muon(Optimizer):
             ns_method=ns_method, compile=compile,
             ns_dtype=dtype_name(ns_dtype, "ns_dtype"), eps=eps, scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor, use_muon=True,
+            variant=variant, normuon_beta2=normuon_beta2,  # NorMuon (ds_muon.rules.normuon)
         )
         super().__init__(params, defaults)
         self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.engine.identity)
@@ -410,7 +418,8 @@ class Muon(Optimizer):
         self._resolve()
         self._init_state()
         failed = failed or LocalFailure.catch(  # every state tensor fits, before any write
-            lambda: check_state(self.param_groups, self.state, self._name))
+            lambda: (check_state(self.param_groups, self.state, self._name),
+                     check_moments(self.param_groups, self.state, self._bindings, self._name)))
         if self.qk_clip is not None:  # its layouts are known and its q/k weights are Muon matrices
             failed = failed or LocalFailure.catch(lambda: self.qk_clip.check(self))
         self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
@@ -450,7 +459,7 @@ class Muon(Optimizer):
         Skipped while the state dict (``load_state_dict`` replaces it), its size and the tensors
         of every group stay those of the last call: nothing can be missing then."""
         key = (id(self.state), len(self.state),
-               tuple((g["use_muon"], tuple(map(id, g["params"]))) for g in self.param_groups))
+               tuple((g["use_muon"], is_normuon(g), tuple(map(id, g["params"]))) for g in self.param_groups))
         if key == self._state_key:
             return
         self._fill_state()
@@ -463,6 +472,8 @@ class Muon(Optimizer):
             for p in g["params"]:
                 st = self.state[p]
                 if muon:
+                    if NORMUON_V not in st and is_normuon(g) and id(p) in self._bindings:  # whole, every rank
+                        st[NORMUON_V] = new_moment(self._bindings[id(p)], p)
                     buf = st.get("momentum_buffer")
                     if buf is None:
                         st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -653,14 +664,25 @@ class Muon(Optimizer):
             pieces.sent()
         return j.exchange.gather_start(None, filled=True)
 
-    @staticmethod
-    def _orthogonalize(jobs: List[_Job], gathers: list) -> list:
-        """Stage 6: as each gather arrives, NS at home (batched by shape and settings), then its
-        scatter is issued.  Returns the pending scatters."""
-        scatters = []
+    def _orthogonalize(self, jobs: List[_Job], gathers: list) -> list:
+        """Stage 6: as each gather arrives, NS at home (batched by shape and settings), then
+        NorMuon on the results of ``variant="normuon"`` matrices (:mod:`~ds_muon.engine.row_moments`),
+        then its scatter is issued (and the homes' new NorMuon moments shared with every rank).
+        Returns the pending scatters."""
+        scatters, shared = [], []
+        normuon = any(g["use_muon"] and is_normuon(g) for g in self.param_groups)
+        group_of = self._muon_groups() if normuon else {}
         for j, pending in zip(jobs, gathers):
             stacks = j.exchange.gather_finish(pending)
-            scatters.append(j.exchange.scatter_start({key: j.ns_of[key].run(stack) for key, stack in stacks.items()}))
+            results = {key: j.ns_of[key].run(stack) for key, stack in stacks.items()}
+            if normuon:
+                RowMoments.at_home(j.layout, j.exchange, results, group_of, self.state)
+            scatters.append(j.exchange.scatter_start(results))
+            if normuon:
+                shared.append(RowMoments.share_start(j.layout, j.exchange, group_of, self.state))
+        for s in shared:
+            if s is not None:
+                s.finish()
         return scatters
 
     def _apply(self, jobs: List[_Job], scatters: list) -> None:
@@ -755,8 +777,11 @@ class Muon(Optimizer):
             self._deferred.flush()
 
     def state_dict(self):
+        """torch's state dict; NorMuon's ``normuon_v`` of an FSDP1 flat parameter as a tuple of floats
+        (see :func:`~ds_muon.engine.row_moments.fsdp1_moments`: FSDP1's optimizer state dicts take every
+        state tensor with a dimension for a shard of the flat parameter)."""
         self.flush()
-        return super().state_dict()
+        return fsdp1_moments(super().state_dict(), self.param_groups)
 
     def load_state_dict(self, state_dict) -> None:
         """torch's load, after checking that the saved groups match these (same
@@ -766,7 +791,9 @@ class Muon(Optimizer):
         check_loaded_state(self.param_groups, state_dict, self._name)
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
+        moments, state_dict = split_moments(state_dict)  # NorMuon's v stays float32 (torch casts state)
         super().load_state_dict(state_dict)
+        restore_moments(self.param_groups, state_dict["param_groups"], moments, self.state)
         self._exchanges.clear()  # compiled for the old state's dtypes (a load casts state to the parameters')
 
     # -- introspection --------------------------------------------------------

@@ -3,8 +3,9 @@
 One spawn per world size (transformers and accelerate are slow to import), several checks in each:
 
 * W=2: ``ds_muon.accelerate.prepare`` (DDP, and FSDP2 through configs/accelerate/fsdp2.yaml) trains a
-  tiny Llama K steps with the same batch on every rank, ``accelerator.save_state``, then one more step
-  (the continuing reference).  ``MuonTrainer`` (DDP) trains 2K steps with ``save_steps=K``; its Muon's
+  tiny Llama K steps with NorMuon (``variant="normuon"``: its second moment ``normuon_v`` resumes too)
+  with the same batch on every rank, ``accelerator.save_state``, then one more step (the continuing
+  reference).  ``MuonTrainer`` (DDP) trains 2K steps with ``save_steps=K``; its Muon's
   state is read when the checkpoint at step K is written.
 * W=1: a fresh model (another seed) ``accelerator.load_state`` / ``trainer.train(resume_from_checkpoint=...)``
   (DDP and FSDP2 each).  Every Muon momentum and AdamW moment (and the weights) is ``torch.equal`` to the
@@ -40,6 +41,9 @@ TRAINER_DOORS = ("ddp", "fsdp2")
 AT_THREE = ("fsdp2",)  # DCP reshards into 3 uneven shards; DDP's plain state dict does not depend on W
 # the W=3 spawn and the DeepSpeed-through-accelerate test: ~30 s more than this file's CI share
 SLOW = os.environ.get("DS_MUON_RESUME_DEEPSPEED") == "1"
+# accelerate's runs are NorMuon (its second moment resumes like the momentum, at any world size); the Trainer's
+# are plain Muon
+ACCELERATE_SETTINGS = dict(SETTINGS, variant="normuon")
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
 
 
@@ -69,7 +73,7 @@ def _accelerate_setup(door, seed):
 
     _fresh_accelerate(launch_env(door))
     accelerator = Accelerator()
-    model, opt = prepare(accelerator, FAMILIES["llama"](seed=seed), **SETTINGS)
+    model, opt = prepare(accelerator, FAMILIES["llama"](seed=seed), **ACCELERATE_SETTINGS)
     return accelerator, model, opt, find_muon(opt)
 
 
@@ -193,7 +197,7 @@ def test_resume_at_another_world_size(tmp_path):
     for door in ACCELERATE_DOORS:
         assert s[door]["homes"] == [0, 1], (door, s[door]["homes"])  # Newton-Schulz split over both ranks
         kinds = {k for entry in s[door]["state"].values() for k in entry}
-        assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds, (door, kinds)
+        assert {"momentum_buffer", "normuon_v", "exp_avg", "exp_avg_sq"} <= kinds, (door, kinds)
         for r in saved[1:]:  # both ranks saw the same whole state and weights
             assert_state_equal(r[door]["state"], s[door]["state"], (door, "ranks"))
         assert_state_equal(loaded[door]["state"], s[door]["state"], door)

@@ -13,6 +13,7 @@ pieces, the rules (:mod:`ds_muon.rules`) do the maths.  In the order a step meet
   planner's numbers per strategy, ``ds-muon plan``), :mod:`.timeouts` (the exchange's own groups);
 * exchange: :mod:`.exchange` (one all_to_all each way), :mod:`.pieces` (a rank's pieces of one layout),
   :mod:`.team` (one matrix's NS across a team of ranks);
+* rule state: :mod:`.row_moments` (NorMuon's second moment: at home after NS, shared with every rank);
 * memory: :mod:`.lending`, :mod:`.budget`, :mod:`.offload` (host-held state);
 * overlap: :mod:`.overlap` (gathers from backward, updates in forward);
 * reporting: :mod:`.summary`, :mod:`.summary_file`.

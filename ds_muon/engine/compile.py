@@ -24,6 +24,7 @@ from .layout import Layout
 from .offload import HostNS, exchange_device, host_state
 from ..rules.newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients, resolve_method)
+from .row_moments import is_normuon
 from .planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, rebalance_homes, replica_groups
 from .team import TeamExchange, TeamGroups, TeamNS
 from .timeouts import new_group_like
@@ -57,8 +58,9 @@ def ns_settings(group: dict) -> NSSettings:
 
 def exchange_key(layout: Layout, todo: List[int], param_groups) -> tuple:
     """What compiled exchanges depend on: the layout, its active matrices, and the NS
-    settings of every Muon group (they pick dtypes and stacks, and may change between steps)."""
-    return id(layout), tuple(todo), tuple(repr(_ns_fields(g)) for g in param_groups if g["use_muon"])
+    settings of every Muon group (they pick dtypes and stacks, and may change between steps),
+    and its variant (NorMuon matrices never run as a team)."""
+    return id(layout), tuple(todo), tuple(repr(_ns_fields(g) + (is_normuon(g),)) for g in param_groups if g["use_muon"])
 
 
 EXCHANGES_PER_LAYOUT = 4  # sets of active matrices kept compiled per layout
@@ -231,7 +233,10 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
             planned = plan_multi_homes(tasks, layout.world_size, cost_model, planner)
             homes = dict(zip(idx, planned))
             if team_ns and planner == "auto" and not offloaded and _spans_world(layout):
-                eligible = [team_eligible(layout, i, ns_at[i], device) for i in idx]
+                # NorMuon needs each row's whole mean square and the matrix's norm at one rank (and a
+                # team is not bitwise): its matrices keep one home
+                eligible = [team_eligible(layout, i, ns_at[i], device)
+                            and not is_normuon(group_of[id(layout.local[i][0].param)]) for i in idx]
                 at = plan_teams(tasks, layout.world_size, planned, cost_model, eligible)
                 teams = {idx[p]: hs for p, hs in at.items()}
                 if teams:  # the other matrices' homes, balanced around the teams

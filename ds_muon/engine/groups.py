@@ -15,6 +15,7 @@ import torch
 
 from ..rules.decay import WEIGHT_DECAY_MODES, check_mode  # noqa: F401 (the modes, read from here by callers)
 from ..rules.newton_schulz import NS_METHODS, resolve_coefficients
+from ..rules.normuon import VARIANTS
 from ..rules.scaling import check_scale_mode
 from .layout import global_shape, is_flat_shard
 
@@ -183,6 +184,9 @@ def check_settings(group: dict, gi: int) -> None:
         _number(group, "eps", gi)
         return
     _number(group, "momentum", gi, below=1.0)
+    if group["variant"] not in VARIANTS:
+        raise ValueError(f"param_groups[{gi}]: variant={group['variant']!r} is unknown; use one of {list(VARIANTS)}")
+    _number(group, "normuon_beta2", gi, below=1.0)  # NorMuon's second-moment decay (read only by normuon)
     try:
         _check_schedule(group["ns_coefficients"], group["ns_steps"])
         check_scale_mode(group["scale_mode"])

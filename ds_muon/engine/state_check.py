@@ -18,6 +18,8 @@ from typing import Callable, List, Mapping
 
 import torch
 
+from .row_moments import KEY as MOMENT_KEY
+
 STATE_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # shaped like their parameter
 ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")  # AdamW's state: all of them or none
 RECAST = ("cast the state to the parameters' dtypes and devices as torch's load does: "
@@ -45,6 +47,11 @@ def check_loaded_state(groups: List[dict], state_dict: Mapping, name: Callable[[
                                      "elements, not one; the state dict is not this optimizer's")
                 continue
             if not torch.is_tensor(v):
+                continue
+            if key == MOMENT_KEY:  # NorMuon's v: whole per matrix, 1-D (its length is checked at the step)
+                if v.dim() != 1 or not v.is_floating_point() or v.is_complex():
+                    raise ValueError(f"ds_muon: loaded state of {name(gi, pi)}: {key!r} is {v.dtype} of shape "
+                                     f"{tuple(v.shape)}, not a 1-D real floating-point tensor; nothing was loaded")
                 continue
             if tuple(v.shape) != tuple(p.shape):
                 raise ValueError(

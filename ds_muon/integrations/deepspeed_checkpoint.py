@@ -142,6 +142,10 @@ def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights
             for name in g.get("param_names") or []:
                 if not os.path.isfile(os.path.join(zero, name, "momentum_buffer.pt")):
                     _refuse(src, f"Muon tensor {name} has no momentum_buffer.pt (its momentum would restart at zero)")
+    if any(g.get("use_muon") and g.get("variant") == "normuon" for g in muon.param_groups) and \
+            not os.path.isdir(os.path.join(src, "normuon_v")):
+        _refuse(src, "this engine runs NorMuon (variant='normuon') and the checkpoint has no normuon_v/ folder "
+                     "(its second moment would restart at zero)")
 
 
 def guard_loads(engine, muon) -> None:
@@ -171,6 +175,19 @@ def guard_loads(engine, muon) -> None:
             load_zero3_universal(zero, checkpoint_folder)
 
         zero._load_universal_checkpoint = load_universal
+    elif hasattr(zero, "_load_universal_checkpoint") and hasattr(zero, "optimizer"):  # ZeRO-1/2
+        from .deepspeed_universal import load_moments
+
+        own12 = zero._load_universal_checkpoint
+
+        def load_universal12(checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+            out = own12(checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
+            if load_optimizer_states:  # NorMuon's v: one file per flat group, beside zero/ (DeepSpeed's loader skips it)
+                load_moments([g["params"][0] for g in zero.optimizer.param_groups], zero.optimizer.state,
+                             checkpoint_folder)
+            return out
+
+        zero._load_universal_checkpoint = load_universal12
 
 
 def _state_signature(zero) -> tuple:

@@ -10,7 +10,9 @@ checkpoint written at one world size (and ZeRO stage) loads at any other with
 ``exp_avg_sq``.  :func:`zero_to_universal` is the same conversion over whatever keys each group's
 state holds, built from DeepSpeed's own reader (``DeepSpeedCheckpoint``), fragment writer and merge;
 :func:`load_zero3_universal` is ZeRO-3's universal load over those keys (ZeRO-1/2's already reads
-whatever files a parameter's folder holds).  Tensor and pipeline parallel checkpoints are left to
+whatever files a parameter's folder holds).  NorMuon's ``normuon_v`` is no per-element key: it goes to
+``normuon_v/group<i>.pt`` beside ``zero/``, one file per flat partition (:func:`load_moments` puts it back,
+at ZeRO-1/2 through ds_muon's wrapper of the engine's universal load).  Tensor and pipeline parallel checkpoints are left to
 DeepSpeed's converter (ds_muon does not run under ZeRO with either).
 """
 
@@ -35,17 +37,45 @@ def _ds():
 def _flat_keys(state: dict, flat: torch.Tensor) -> List[str]:
     """The per-element state keys of one flat partition (1-D tensors at least as long as it: the checkpoint reader
     strips the partition's alignment padding from the fp32 partition, not from the state), plus ``step``."""
-    keys = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat.numel()]
+    keys = [k for k, v in state.items()
+            if k != MOMENT and torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat.numel()]
     return keys + ([STEP] if STEP in state else [])
 
 
-def _extract_zero12(ckpt, temp_dir: str, dp_index: int) -> None:
+MOMENT = "normuon_v"  # NorMuon's second moment (ds_muon.engine.row_moments): whole per matrix, not per element
+MOMENTS_DIR = "normuon_v"  # beside zero/: one file per flat partition (ZeRO-1/2 group, ZeRO-3 sub-group)
+
+
+def _dump_moments(states, output_folder: str) -> None:
+    """NorMuon's ``v`` of each flat partition, ``normuon_v/group<i>.pt``.  It is one value per output neuron of
+    every matrix of the partition, whole on every rank (not a fragment: DeepSpeed's per-element ``zero/<name>/``
+    files have no place for it), and a partition's matrices do not depend on the world size (a ZeRO-1/2 group
+    holds its param group's tensors, a ZeRO-3 sub-group its ``sub_group_size`` run), so it loads into the
+    partition of the same index at any world size (:func:`load_moments`)."""
+    for i, st in states:
+        if isinstance(st, dict) and MOMENT in st:
+            os.makedirs(os.path.join(output_folder, MOMENTS_DIR), exist_ok=True)
+            torch.save(st[MOMENT].detach().float().clone(), os.path.join(output_folder, MOMENTS_DIR, f"group{i}.pt"))
+
+
+def load_moments(flats: List[torch.Tensor], state, checkpoint_folder: str) -> None:
+    """The ``v`` :func:`_dump_moments` wrote into ``state[flats[i]]`` (as float32 on the partition's device).
+    A partition of another stage or grouping gets a ``v`` of another length: the step refuses it, naming it."""
+    for i, flat in enumerate(flats):
+        f = os.path.join(checkpoint_folder, MOMENTS_DIR, f"group{i}.pt")
+        if os.path.isfile(f):
+            state[flat][MOMENT] = torch.load(f, map_location="cpu", weights_only=True).to(flat.device, torch.float32)
+
+
+def _extract_zero12(ckpt, temp_dir: str, dp_index: int, output_folder: str) -> None:
     d2u = _ds()
     from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS,
                                                 SINGLE_PARTITION_OF_FP32_GROUPS)
 
     sd = ckpt.get_zero_checkpoint_state(pp_index=0, tp_index=0, dp_index=dp_index)[OPTIMIZER_STATE_DICT]
     states, fp32_groups = sd[BASE_OPTIMIZER_STATE]["state"], sd[SINGLE_PARTITION_OF_FP32_GROUPS]
+    if dp_index == 0:  # (whole on every rank)
+        _dump_moments(states.items(), output_folder)
     for gi, mappings in enumerate(sd[PARAM_SLICE_MAPPINGS]):
         state = states.get(gi, {})
         flat = {FP32: fp32_groups[gi], **{k: state[k] for k in _flat_keys(state, fp32_groups[gi])}}
@@ -54,9 +84,12 @@ def _extract_zero12(ckpt, temp_dir: str, dp_index: int) -> None:
                 d2u.dump_param_fragment(temp_dir, 0, dp_index, key, value, name, frag.start, frag.numel)
 
 
-def _extract_zero3(optim_file: str, shapes: List[dict], temp_dir: str, dp_index: int, dp_degree: int) -> None:
+def _extract_zero3(optim_file: str, shapes: List[dict], temp_dir: str, dp_index: int, dp_degree: int,
+                   output_folder: str) -> None:
     d2u = _ds()
     sd = torch.load(optim_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    if dp_index == 0:
+        _dump_moments(sd["optimizer_state_dict"]["state"].items(), output_folder)
     partitions = sd.get("ds_zero_partition_groups") or []
     for idx, sub_group in enumerate(shapes):
         fp32 = sd["fp32_flat_groups"][idx]
@@ -107,7 +140,7 @@ def zero_to_universal(input_folder: str, output_folder: str) -> str:
             raise NotImplementedError(f"ds_muon.integrations.deepspeed_universal: {input_folder} has tensor/pipeline parallel degree "
                                       f"{ckpt.tp_degree}/{ckpt.pp_degree}; use DeepSpeed's ds_to_universal for it")
         for dp in range(ckpt.dp_degree):
-            _extract_zero12(ckpt, temp_dir, dp)
+            _extract_zero12(ckpt, temp_dir, dp, output_folder)
         model_state = torch.load(ckpt.mp_rank_files[0], map_location="cpu", weights_only=False)
         shapes = {n: s for group in model_state["param_shapes"] for n, s in group.items()}
         _merge(temp_dir, zero_dir, shapes)
@@ -121,7 +154,7 @@ def zero_to_universal(input_folder: str, output_folder: str) -> str:
                                       "ds_to_universal for it")
         shapes_by_group = d2u._parse_model_states_stage3(model_files)
         for dp in range(dp_degree):
-            _extract_zero3(grid[0][dp], shapes_by_group, temp_dir, dp, dp_degree)
+            _extract_zero3(grid[0][dp], shapes_by_group, temp_dir, dp, dp_degree, output_folder)
         _merge(temp_dir, zero_dir, {n: s for g in shapes_by_group for n, s in g.items()})
         d2u._save_optimizer_state_stage3(args, zero3_files)
     shutil.rmtree(temp_dir, ignore_errors=True)
@@ -189,6 +222,7 @@ def load_zero3_universal(zero3, checkpoint_folder: str) -> None:
                 zero3.optimizer.state[fp32_param][key] = flat
         if step is not None:
             zero3.optimizer.state[fp32_param][STEP] = step
+    load_moments(list(zero3.fp32_partitioned_groups_flat), zero3.optimizer.state, checkpoint_folder)
     for group, saved in zip(zero3.optimizer.param_groups, saved_groups):
         for k, v in saved.items():
             if k != "params":

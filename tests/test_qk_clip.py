@@ -40,12 +40,12 @@ def inflated_llama(**over):
     return model
 
 
-def train(model, clip_tau=None, lr=LR, steps=STEPS, ns_dtype=torch.float32, alpha=0.5):
+def train(model, clip_tau=None, lr=LR, steps=STEPS, ns_dtype=torch.float32, alpha=0.5, **muon):
     """(model, optimizer, clip, [S_max per step from the recorder, before each step]) after ``steps``."""
     recorder = LogitRecorder(model)  # (the run without the clip records too: the same attention path)
     clip = ds_muon.QKClip(model, tau=clip_tau, alpha=alpha, recorder=recorder) if clip_tau is not None else None
     groups = ds_muon.muon_param_groups(model, lr=lr, **({"adam_lr": 0.0} if lr == 0 else {}))  # lr=0: nothing moves
-    opt = ds_muon.Muon(groups, ns_dtype=ns_dtype, qk_clip=clip, log_summary=False)
+    opt = ds_muon.Muon(groups, ns_dtype=ns_dtype, qk_clip=clip, log_summary=False, **muon)
     seen = []
     for idx in hf_batches(steps):
         hf_loss(model, idx).backward()
@@ -87,13 +87,15 @@ def head_maxima(clip, model, idx) -> dict:
     return rec.maxima()
 
 
-@pytest.mark.parametrize("alpha,bias", [(0.5, False), (0.25, False), (0.5, True)])
-def test_single_process_equals_the_papers_formula(alpha, bias):
-    """With ``attention_bias=True`` the q/k biases scale with their rows (q = W x + b)."""
+@pytest.mark.parametrize("alpha,bias,variant", [(0.5, False, "muon"), (0.25, False, "muon"), (0.5, True, "muon"),
+                                                (0.5, False, "normuon")])
+def test_single_process_equals_the_papers_formula(alpha, bias, variant):
+    """With ``attention_bias=True`` the q/k biases scale with their rows (q = W x + b); with NorMuon the clip
+    follows NorMuon's update the same way."""
     over = {"attention_bias": True} if bias else {}
     with dist_harness.one_thread():
-        clipped, _, clip, seen = train(inflated_llama(**over), TAU, steps=1, alpha=alpha)
-        plain, _, _, _ = train(inflated_llama(**over), None, steps=1)
+        clipped, _, clip, seen = train(inflated_llama(**over), TAU, steps=1, alpha=alpha, variant=variant)
+        plain, _, _, _ = train(inflated_llama(**over), None, steps=1, variant=variant)
     before = seen[0]
     assert float(before["model.layers.0.self_attn"][1]) > 1.3 * TAU  # the inflated heads exceed tau ...
     assert float(before["model.layers.1.self_attn"][:2].min()) > 1.3 * TAU

@@ -5,12 +5,13 @@ from .engine.planner import CostModel, MatrixTask, Plan, plan_homes
 from .models.tags import domain, expert_weight, fused_blocks, split_rows, tensor_parallel, transposed
 from .optimizer import Muon
 from .param_groups import muon_param_groups
+from .qk_clip import QKClip
 from .rules.newton_schulz import newton_schulz
 from .rules.scaling import get_muon_scale_factor
 from .unwrap import find_muon
 
 __all__ = [
-    "Muon", "muon_param_groups", "newton_schulz", "get_muon_scale_factor",
+    "Muon", "QKClip", "muon_param_groups", "newton_schulz", "get_muon_scale_factor",
     "Layout", "MatrixSlot", "ParamBinding", "Piece", "CostModel", "MatrixTask", "Plan", "plan_homes",
     "split_rows", "tensor_parallel", "expert_weight", "domain", "transposed", "fused_blocks", "find_muon",
 ]

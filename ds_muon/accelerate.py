@@ -37,6 +37,7 @@ import torch
 
 from .optimizer import Muon
 from .param_groups import muon_param_groups
+from .qk_clip import clip_from_settings
 from .unwrap import find_muon as _find_muon
 
 __all__ = ["Accelerator", "prepare", "find_muon", "split_settings"]
@@ -107,6 +108,8 @@ def split_settings(settings: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, 
 def build_muon(model: torch.nn.Module, settings: Dict[str, Any]) -> Muon:
     """``Muon(muon_param_groups(model, ...), ...)`` from one dict of settings."""
     group_kw, muon_kw = split_settings(settings)
+    if muon_kw.get("qk_clip") is not None:  # {"tau": ..., "alpha": ...}: QK-clip on this model (ds_muon.qk_clip)
+        muon_kw["qk_clip"] = clip_from_settings(model, muon_kw["qk_clip"], "prepare(qk_clip=...)")
     return Muon(muon_param_groups(model, **group_kw), **muon_kw)
 
 
@@ -242,6 +245,8 @@ def build_deepspeed_muon(model: torch.nn.Module, params: Dict[str, Any]) -> Muon
     ds_muon_deepspeed.check_no_deepspeed_muon_tags(list(model.parameters()),
                                                    {p: n for n, p in model.named_parameters()})
     muon_kw, group_kw = _deepspeed_kwargs(params)
+    if muon_kw.get("qk_clip") is not None:  # QK-clip on the engine's model (ds_muon.qk_clip)
+        muon_kw["qk_clip"] = clip_from_settings(model, muon_kw["qk_clip"], "qk_clip")
     return Muon(split_moe_groups(muon_param_groups(model, **group_kw)), **muon_kw)
 
 

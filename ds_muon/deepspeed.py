@@ -48,6 +48,7 @@ from .integrations.deepspeed_cpu_adam import adamw_kernel
 from .integrations.moe import split_moe_groups, tag_deepspeed_moe
 from .optimizer import Muon
 from .param_groups import muon_param_groups
+from .qk_clip import clip_from_settings
 from .unwrap import find_muon
 
 OPTIMIZER_TYPE = "DsMuon"
@@ -145,6 +146,8 @@ def build_optimizer(model: torch.nn.Module, entry_params: Optional[Dict[str, Any
     entry_params = dict(entry_params or {})
     kernel = adamw_kernel(str(entry_params.pop("adam_kernel", "torch")))
     muon_kw, group_kw = parse_params(entry_params)
+    if muon_kw.get("qk_clip") is not None:  # "qk_clip": {"tau": 100.0, "alpha": 0.5}: QK-clip on this model
+        muon_kw["qk_clip"] = clip_from_settings(model, muon_kw["qk_clip"], '"optimizer.params.qk_clip"')
     groups = muon_param_groups(model, **group_kw)
     muon = Muon(split_moe_groups(groups), **muon_kw)  # DeepSpeed MoE: experts in their own groups
     if kernel is not None:

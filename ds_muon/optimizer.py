@@ -99,6 +99,8 @@ class Muon(Optimizer):
     ``variant="normuon"`` (per group too; default ``"muon"``) divides each output neuron's row of the NS
     result by the root of its running mean square (``normuon_beta2``) and restores the matrix's norm
     (:mod:`~ds_muon.rules.normuon`; its state, ``normuon_v``: :mod:`~ds_muon.engine.row_moments`).
+    ``qk_clip``: a :class:`ds_muon.QKClip` (QK-clip, MuonClip) that scales the q/k rows of every attention
+    head whose logits exceeded its ``tau`` after each step that was not skipped (:mod:`ds_muon.qk_clip`).
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
     logs its counts once, after the first step, at INFO on logger ``"ds_muon"`` (rank 0).
     """
@@ -137,6 +139,7 @@ class Muon(Optimizer):
         adapter: Optional[StackAdapter] = None,
         log_summary: bool = True,
         compile: bool = False,
+        qk_clip=None,
     ):
         check_keyword_booleans(Muon.__init__, locals())
         if mode not in MODES:
@@ -148,6 +151,12 @@ class Muon(Optimizer):
         self.overlap_settings = OverlapSettings(bool(overlap), waves, bool(dispatch_in_backward), apply_in_forward)
         if apply_in_forward and model is None:
             raise ValueError("apply_in_forward=True lands updates in the model's forward pre-hooks: pass model= too")
+        if qk_clip is not None and not callable(getattr(qk_clip, "after_step", None)):
+            raise ValueError(f"qk_clip={qk_clip!r} must be a ds_muon.QKClip(model, tau=..., alpha=...)")
+        if qk_clip is not None and apply_in_forward:
+            raise ValueError("qk_clip with apply_in_forward=True: QK-clip scales the q/k rows after the update lands, "
+                             "and apply_in_forward defers the update to the next forward; use one or the other")
+        self.qk_clip = qk_clip  # ds_muon.QKClip: q/k rows scaled after each step (ds_muon.qk_clip)
         self.mode = mode
         self.nonfinite = nonfinite
         self.adapter: StackAdapter = adapter if adapter is not None else default_adapter()
@@ -219,7 +228,8 @@ class Muon(Optimizer):
     team_ns = True  # (an optimizer pickled before team NS existed reads the default)
     _SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner", "team_ns",
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips", "log_summary")
-    _NOT_CARRIED = ("model", "process_group")
+    _NOT_CARRIED = ("model", "process_group", "qk_clip")
+    qk_clip = None  # (an optimizer pickled before QK-clip existed reads the default)
 
     def __getstate__(self) -> dict:
         """What ``copy.deepcopy`` and pickle carry: torch's ``defaults``, ``state`` and
@@ -257,7 +267,7 @@ class Muon(Optimizer):
                 settings["overlap_settings"] = OverlapSettings(
                     settings.pop("overlap"), settings.pop("waves"), settings.pop("dispatch_in_backward"))
             self.__dict__.update(settings)
-            self.model = self.process_group = None
+            self.model = self.process_group = self.qk_clip = None
             self.adapter, self._adapter_chosen = default_adapter(), False
             self._not_carried = tuple(sorted(set(lost) - {"model"}))
             self._ordinal = next_ordinal(self.param_groups)  # a copy is one more optimizer of this process
@@ -283,6 +293,10 @@ class Muon(Optimizer):
                 "ds_muon: this Muon is a copy (copy.deepcopy / pickle) of one bound to a DeepSpeed engine; "
                 "bindings are not copied and stepping it unbound would orthogonalize the wrong thing. "
                 "Bind the copy to the engine that steps it: " + HOW_TO_BIND)
+        if "qk_clip" in self._not_carried and self.qk_clip is None:
+            raise RuntimeError(
+                "ds_muon: this Muon is a copy (copy.deepcopy / pickle) of one built with qk_clip; the clip holds the "
+                "model and is not copied: set copy.qk_clip = ds_muon.QKClip(model, tau=..., alpha=...)")
         if "process_group" in self._not_carried and self.process_group is None:
             raise RuntimeError(
                 "ds_muon: this Muon is a copy (copy.deepcopy / pickle) of one built with a process_group; "
@@ -407,8 +421,13 @@ class Muon(Optimizer):
         failed = failed or LocalFailure.catch(  # every state tensor fits, before any write
             lambda: (check_state(self.param_groups, self.state, self._name),
                      check_moments(self.param_groups, self.state, self._bindings, self._name)))
+        if self.qk_clip is not None:  # its layouts are known and its q/k weights are Muon matrices
+            failed = failed or LocalFailure.catch(lambda: self.qk_clip.check(self))
         self._step_token = object()  # this step's, for the views checked in it (see WavePieces)
+        skips = self.nonfinite_skips
         loss = self._stages(loss, failed)
+        if self.qk_clip is not None and self.nonfinite_skips == skips:
+            self.qk_clip.after_step(self)  # q/k rows of heads over tau, on this rank's pieces (ds_muon.qk_clip)
         if not self._summary_logged and getattr(self, "log_summary", True):  # absent from older pickles
             self._summary_logged = log_first_step(self)
         return loss

@@ -100,6 +100,8 @@ def settings_of(optimizer) -> Dict[str, Any]:
     out["overlap"] = bool(getattr(optimizer, "overlap", False))
     out["apply_in_forward"] = getattr(optimizer, "_deferred", None) is not None
     out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
+    clip = getattr(optimizer, "qk_clip", None)  # QK-clip (tau, alpha): every rank must clip alike
+    out["qk_clip"] = None if clip is None else _plain(clip.settings())
     for gi, g in enumerate(optimizer.param_groups):
         for k, v in g.items():
             if k not in ("params", "param_names", "param_tags"):

@@ -114,6 +114,7 @@ class Summary:
     domains: int = 1
     notes: List[str] = field(default_factory=list)
     cost_model: Optional[dict] = None  # the rates the optimizer planned with (CostModel fields)
+    qk_clip: Optional[dict] = None  # QK-clip: tau, alpha, steps, heads clipped (last step, total), last S_max per head
 
     # -- counts ------------------------------------------------------------------
     @property
@@ -200,7 +201,18 @@ class Summary:
         ranks += [(str(r.rank), str(r.matrices), f"{r.ns_flops / 1e9:.4g}", _bytes(r.bytes_sent),
                    _bytes(r.bytes_received)) for r in self.ranks]
         out = [head, _format(table), "", "per rank, per step:", _format(ranks)]
+        if self.qk_clip is not None:
+            out += ["", _qk_clip_lines(self.qk_clip)]
         return "\n".join(out + self.notes)
+
+
+def _qk_clip_lines(q: dict) -> str:
+    """QK-clip's settings, how many heads it clipped and each attention module's last S_max per head."""
+    lines = [f"QK-clip (tau {q['tau']:g}, alpha {q['alpha']:g}): {q['clipped_heads']} head(s) clipped in the last "
+             f"step, {q['clipped_total']} over {q['steps']} step(s); last S_max per head:"]
+    table = [("attention", "S_max per head")]
+    table += [(name, " ".join(f"{x:.4g}" for x in s)) for name, s in q["s_max"].items()]
+    return "\n".join(lines + ([_format(table)] if q["s_max"] else ["(no step yet)"]))
 
 
 def _matrix_cells(m: MatrixRow, name: str) -> Tuple[str, str, str, str]:
@@ -351,8 +363,9 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
     if any(g["use_muon"] and g.get("param_names") and not g["params"] for g in groups) and not by_key:
         notes.append("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
                      "bytes are known after the first step.")
+    clip = getattr(opt, "qk_clip", None)  # ds_muon.QKClip: what it did at the last step
     return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves, max(1, domains),
-                   notes, dataclasses.asdict(opt.planning_cost_model()))
+                   notes, dataclasses.asdict(opt.planning_cost_model()), clip.report() if clip is not None else None)
 
 
 def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]:

@@ -131,9 +131,26 @@ def summary_from_dict(d, Summary, TensorRow, MatrixRow, RankRow):
     out = Summary(tensors, ranks, world, _int(d["rank"], "rank"), _str(d["mode"], "mode"),
                   _str(d["planner"], "planner"), _int(d["waves"], "waves", 1), _int(d.get("domains", 1), "domains", 1),
                   [_str(n, f"notes[{k}]") for k, n in enumerate(_list(d.get("notes", []), "notes"))],
-                  _cost_model(d.get("cost_model"), "cost_model"))
+                  _cost_model(d.get("cost_model"), "cost_model"), _qk_clip(d.get("qk_clip"), "qk_clip"))
     _check_consistent(out)
     return out
+
+
+def _qk_clip(q, where: str):
+    """QK-clip's report (``ds_muon.QKClip.report``): settings, counts, S_max lists per attention module."""
+    if q is None:
+        return None
+    if not isinstance(q, dict) or sorted(q) != ["alpha", "clipped_heads", "clipped_total", "s_max", "steps", "tau"]:
+        _fail(where, "must be null or an object with tau, alpha, steps, clipped_heads, clipped_total, s_max")
+    _num(q["tau"], f"{where}.tau"), _num(q["alpha"], f"{where}.alpha")
+    for k in ("steps", "clipped_heads", "clipped_total"):
+        _int(q[k], f"{where}.{k}")
+    if not isinstance(q["s_max"], dict):
+        _fail(f"{where}.s_max", "must be an object of lists of numbers")
+    for name, s in q["s_max"].items():
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in _list(s, f"{where}.s_max.{name}")):
+            _fail(f"{where}.s_max.{name}", "must be a list of numbers")
+    return q
 
 
 def _check_consistent(s) -> None:

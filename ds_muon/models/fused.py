@@ -226,7 +226,9 @@ def reader_for(owner: nn.Module, path: str) -> Optional[Reader]:
 
 
 SEPARATE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv", "linear",
-            "sampling_offsets", "attention_weights", "value_proj", "output_proj")  # deformable attention
+            "sampling_offsets", "attention_weights", "value_proj", "output_proj",  # deformable attention
+            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # MLA (DeepSeek-V3: q_b_proj's outputs can
+# equal (heads + 2·kv heads)·head_dim, e.g. 128·192 = (128 + 256)·64, and are one linear map)
 _CONTIGUOUS = re.compile(r"\b3\s*,\s*(?:self\.)?num_(?:attention_)?heads|\b3\s*,\s*(?:self\.)?n_heads|"
                          r"\bqkv\b[^\n]*\.chunk\(\s*3|\.unbind\(\s*(?:dim\s*=\s*)?[02]\s*\)")
 _INTERLEAVED = re.compile(r"num_(?:attention_)?heads\s*,\s*3\b|3\s*\*\s*self\.head_dim")

@@ -9,5 +9,6 @@ matrix lives.  A new rule is one file here.
 * :mod:`.update` — the NS input (decay, momentum, Nesterov) and the apply on a piece of the weight;
 * :mod:`.scaling` — the update's scale per matrix shape;
 * :mod:`.decay` — the weight decay modes (decoupled, l2, independent, cautious) on Muon and AdamW tensors;
-* :mod:`.normuon` — NorMuon (``variant="normuon"``): a per-neuron second moment of the NS result.
+* :mod:`.normuon` — NorMuon (``variant="normuon"``): a per-neuron second moment of the NS result;
+* :mod:`.qk_clip` — QK-clip (MuonClip): gamma per head from the maxima, the q/k row factors (GQA, MLA).
 """

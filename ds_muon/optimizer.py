@@ -56,7 +56,6 @@ from .engine.tag_keys import restore_tags
 from .engine.team import TeamGroups
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
-from .integrations.fsdp1_checkpoint import check_gathered_keys, flat_owners
 from .rules.decay import adamw_decay_
 
 MODES = ("sharded", "duplicated")
@@ -790,8 +789,9 @@ class Muon(Optimizer):
         are brought up to date (see :meth:`_upgrade_groups`)."""
         check_loaded_groups(self.param_groups, state_dict["param_groups"], self.defaults, self.adam_betas, self.adam_eps)
         check_loaded_state(self.param_groups, state_dict, self._name)
-        # FSDP.optim_state_dict's CPU "offload" of use_orig_params=True state overwrites every key with the last
-        check_gathered_keys(self.param_groups, state_dict, self._name, flat_owners(self.model))
+        check_loaded = getattr(self.adapter, "check_loaded", None)  # the stack's own refusals (optional)
+        if check_loaded is not None:
+            check_loaded(self.param_groups, state_dict, self._name, self.model)
         self.flush()
         self._drain_early()  # their momentum was computed from the state being replaced
         moments, state_dict = split_moments(state_dict)  # NorMuon's v stays float32 (torch casts state)

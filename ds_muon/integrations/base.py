@@ -73,6 +73,10 @@ class StackAdapter(Protocol):
         """Is ``param``'s gradient final when its post-accumulate-grad hook fires?"""
         ...
 
+    # Optional (read with getattr, so not part of the protocol's runtime check):
+    # ``check_loaded(groups, state_dict, name, model)``: raise ValueError naming the tensor when a state dict
+    # given to ``Muon.load_state_dict`` is one the stack's own save corrupted; called before anything loads.
+
 
 def single_process(group: Optional[dist.ProcessGroup]) -> bool:
     """Does ``group`` (None: the world) hold one rank, so that no gradient is reduced?"""

@@ -40,6 +40,10 @@ class DefaultAdapter:
     def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
         return self._adapter_for(param, "a tensor").grad_final_at_hook(param, context)
 
+    def check_loaded(self, groups, state_dict, name, model) -> None:
+        """The stacks' refusals of a loaded state dict (FSDP1's: keys torch's CPU offload overwrote)."""
+        self.fsdp1.check_loaded(groups, state_dict, name, model)
+
     def _adapter_for(self, param: torch.Tensor, name: str):
         if getattr(param, TENSOR_PARALLEL, None) is not None:
             if is_dtensor(param) or is_flattened_by_fsdp1(param):

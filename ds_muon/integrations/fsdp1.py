@@ -32,6 +32,7 @@ from ..models.experts import apply_plan, check_matrix_dims, check_routers, mark_
 from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, param_reasons, stores_in_out
 from ..models.tags import transposed
 from .base import BindContext
+from .fsdp1_checkpoint import check_gathered_keys
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
 FLAT_REASON = "FSDP1 flat parameter"  # its matrices take Muon, the rest of it AdamW (adam_ranges)
@@ -110,6 +111,11 @@ class Fsdp1Adapter:
     def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
         return False
 
+    def check_loaded(self, groups, state_dict, name, model) -> None:
+        """Refuse a full optimizer state dict whose keys torch's CPU offload overwrote
+        (:mod:`~ds_muon.integrations.fsdp1_checkpoint`), before anything loads."""
+        check_gathered_keys(groups, state_dict, name, flat_owners(model))
+
     def _index(self, model: Optional[nn.Module], param) -> Optional[_Fsdp1Index]:
         """The FSDP1 index of ``model``, cached; rebuilt when it does not know ``param``."""
         if model is None:
@@ -122,6 +128,14 @@ class Fsdp1Adapter:
         index = _Fsdp1Index(model)
         self._indexed = (model, index)
         return index
+
+
+def flat_owners(model) -> Dict[int, int]:
+    """``{id(original parameter): id(its FlatParameter)}`` for the tensors FSDP1
+    (``use_orig_params=True``) flattened in ``model``; empty for any other model."""
+    if not is_fsdp1_model(model):
+        return {}
+    return {pid: id(entry[0]) for pid, entry in _Fsdp1Index(model).orig.items()}
 
 
 def is_flattened_by_fsdp1(param) -> bool:

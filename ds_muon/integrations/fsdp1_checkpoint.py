@@ -25,16 +25,6 @@ import torch
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # the keys ds_muon keeps on every tensor
 
 
-def flat_owners(model) -> Dict[int, int]:
-    """``{id(original parameter): id(its FlatParameter)}`` for the tensors FSDP1
-    (``use_orig_params=True``) flattened in ``model``; empty for any other model."""
-    from .fsdp1 import _Fsdp1Index, is_fsdp1_model
-
-    if not is_fsdp1_model(model):
-        return {}
-    return {pid: id(entry[0]) for pid, entry in _Fsdp1Index(model).orig.items()}
-
-
 def check_gathered_keys(groups: List[dict], state_dict: Mapping, name: Callable[[int, int], str],
                         owners: Mapping[int, int]) -> None:
     """ValueError naming an AdamW tensor when, on this rank, every FSDP1 original tensor of one

@@ -186,9 +186,9 @@ def run_case(case: Case) -> dict:
     return out
 
 
-def run_reference(case: Case) -> dict:
+def run_reference(case: Case, extra=None) -> dict:
     """One process, one thread, the case's maths without its equivalent settings (no overlap,
-    sharded mode, the default planner)."""
+    sharded mode, the default planner).  ``extra(opt)``: more results (a dict) read off the optimizer."""
     with dist_harness.one_thread():
         model = build_model(case.model, case.model_seed)
         opt = _muon(case, _groups(case, model), model, reference=True)
@@ -198,7 +198,7 @@ def run_reference(case: Case) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "keys": state_keys(opt, False), "flat_keys": state_keys(opt, True)}
+                "keys": state_keys(opt, False), "flat_keys": state_keys(opt, True), **(extra(opt) if extra else {})}
 
 
 def run_torch(case: Case):

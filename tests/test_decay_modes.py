@@ -373,14 +373,9 @@ def _team_worker(rank, world):
     """test_team_ns's uneven flat partitions (matrices split across both ranks), the planner forced to team."""
     from ds_muon.engine.layout import ParamBinding, slots_in_range
     from models import HandAdapter
-    from test_team_ns import _cuts, _grads, _initial
+    from test_team_ns import _flat_partition, _grads
 
-    mats = _initial()
-    offsets, pos = [], 0
-    for i, m in enumerate(mats):
-        offsets.append((f"m{i}", tuple(m.shape), pos))
-        pos += m.numel()
-    lo, hi = _cuts(pos, world)[rank]
+    mats, offsets, lo, hi = _flat_partition(rank, world)
     out = []
     for mode in TEAM_MODES:
         local = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())

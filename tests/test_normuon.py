@@ -352,21 +352,9 @@ def _stack_worker(rank, world, kind, indices):
 
 
 def _reference_with_moments(case):
-    import dist_harness
-    from fuzz_stacks import _groups, _muon
-    from fuzz_models import build_model, usages
+    from fuzz_stacks import run_reference
 
-    with dist_harness.one_thread():
-        model = build_model(case.model, case.model_seed)
-        opt = _muon(case, _groups(case, model), model, reference=True)
-        shapes = usages(model)
-        for t in range(case.steps):
-            model(case.grads(shapes, t)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        from fuzz_stacks import state_keys
-        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "keys": state_keys(opt, False), "flat_keys": state_keys(opt, True), "moments": _moments(opt, False)}
+    return run_reference(case, extra=lambda opt: {"moments": _moments(opt, False)})
 
 
 @pytest.mark.timeout(400)
@@ -524,15 +512,10 @@ def _team_worker(rank, world):
     """test_team_ns's flat partitions and cost model (which team the large matrices): per variant,
     the teams the plan made and this rank's result."""
     from models import HandAdapter
-    from test_team_ns import _cuts, _grads, _initial, _opts
+    from test_team_ns import _flat_partition, _grads, _opts
     from ds_muon.engine.layout import ParamBinding, slots_in_range
 
-    mats = _initial()
-    offsets, pos = [], 0
-    for i, m in enumerate(mats):
-        offsets.append((f"m{i}", tuple(m.shape), pos))
-        pos += m.numel()
-    lo, hi = _cuts(pos, world)[rank]
+    mats, offsets, lo, hi = _flat_partition(rank, world)
     out = {}
     for variant in ("muon", "normuon"):
         local = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())

@@ -136,14 +136,20 @@ def _cuts(total, world):
     return list(zip(c, c[1:] + [total]))
 
 
-def _worker(rank, world, configs):
-    """One flat partition per rank (uneven, one range empty at W >= 3); a step per (dtype, team_ns)."""
+def _flat_partition(rank, world):
+    """The matrices, their (name, shape, offset) in one flat tensor, and this rank's range of it."""
     mats = _initial()
     offsets, pos = [], 0
     for i, m in enumerate(mats):
         offsets.append((f"m{i}", tuple(m.shape), pos))
         pos += m.numel()
     lo, hi = _cuts(pos, world)[rank]
+    return mats, offsets, lo, hi
+
+
+def _worker(rank, world, configs):
+    """One flat partition per rank (uneven, one range empty at W >= 3); a step per (dtype, team_ns)."""
+    mats, offsets, lo, hi = _flat_partition(rank, world)
     out = []
     for ns_dtype, team_ns, layout in configs:
         if layout == "replicated":  # DDP-like: every rank holds every matrix whole (the default adapter)
@@ -155,7 +161,7 @@ def _worker(rank, world, configs):
             opt.step()
             summary = opt.summary()
             teams = {m.key: m.homes for m in summary.matrices if m.team}
-            out.append(((0, pos), torch.cat([p.detach().reshape(-1) for p in params]), teams, str(summary)))
+            out.append(((0, sum(m.numel() for m in mats)), torch.cat([p.detach().reshape(-1) for p in params]), teams, str(summary)))
             continue
         local = nn.Parameter(torch.cat([m.reshape(-1) for m in mats])[lo:hi].clone())
         local._ds_muon_flat = True

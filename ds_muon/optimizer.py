@@ -48,8 +48,8 @@ from .engine.offload import accelerator
 from .engine.overlap import OverlapSettings, Wave
 from .engine.pieces import WavePieces
 from .engine.planner import STRATEGIES, CostModel
-from .engine.row_moments import (KEY as NORMUON_V, RowMoments, check_moments, fsdp1_moments, is_normuon, new_moment,
-                                 restore_moments, split_moments)
+from .engine.row_moments import (KEY as NORMUON_V, RowMoments, agree_after_load, check_moments, fsdp1_moments,
+                                 is_normuon, new_moment, restore_moments, split_moments)
 from .engine.state_check import check_loaded_state, check_state
 from .engine.summary import Summary, log_first_step, summarize
 from .engine.tag_keys import restore_tags
@@ -229,6 +229,7 @@ class Muon(Optimizer):
                  "cost_model", "adam_betas", "adam_eps", "nonfinite_skips", "log_summary")
     _NOT_CARRIED = ("model", "process_group", "qk_clip")
     qk_clip = None  # (an optimizer pickled before QK-clip existed reads the default)
+    _moments_loaded = None  # since a load: the layouts whose NorMuon v every rank agreed on
 
     def __getstate__(self) -> dict:
         """What ``copy.deepcopy`` and pickle carry: torch's ``defaults``, ``state`` and
@@ -672,6 +673,8 @@ class Muon(Optimizer):
         scatters, shared = [], []
         normuon = any(g["use_muon"] and is_normuon(g) for g in self.param_groups)
         group_of = self._muon_groups() if normuon else {}
+        if normuon and self._moments_loaded is not None:  # a load: make every rank's v the saved one
+            agree_after_load(self._layouts, group_of, self.state, self._moments_loaded)
         for j, pending in zip(jobs, gathers):
             stacks = j.exchange.gather_finish(pending)
             results = {key: j.ns_of[key].run(stack) for key, stack in stacks.items()}
@@ -797,6 +800,7 @@ class Muon(Optimizer):
         moments, state_dict = split_moments(state_dict)  # NorMuon's v stays float32 (torch casts state)
         super().load_state_dict(state_dict)
         restore_moments(self.param_groups, state_dict["param_groups"], moments, self.state)
+        self._moments_loaded = set()  # layouts whose v the ranks have agreed on since (engine.row_moments)
         self._exchanges.clear()  # compiled for the old state's dtypes (a load casts state to the parameters')
 
     # -- introspection --------------------------------------------------------

@@ -172,6 +172,49 @@ def test_resume_in_fresh_optimizer_bitwise():
             assert not torch.equal(pa, pc), n
 
 
+def _lost_moment_worker(rank, world):
+    """W=2 DDP-like (every rank holds every matrix, one home each): save after 2 steps, load into fresh
+    optimizers where rank 0's dict has no v at all (as FSDP1's ``optim_state_dict_to_load`` gives a rank
+    holding none of a tensor), step 3 again; returns both runs' parameters and v."""
+    torch.manual_seed(0)
+    a, b = Net(), Net()  # (a deepcopy would lose the transposed tag: torch's Parameter copy drops attributes)
+    grads = _grads(a, 3)
+    kw = dict(variant="normuon", normuon_beta2=0.8)
+    opt_a = _train(a, grads, 2, **kw)
+    saved = copy.deepcopy(opt_a.state_dict())
+    b.load_state_dict(a.state_dict())
+    for model, opt in ((a, opt_a), (b, None)):
+        if opt is None:
+            opt = ds_muon.Muon(_groups(b), log_summary=False, **kw)
+            if rank == 0:
+                for st in saved["state"].values():
+                    st.pop(KEY, None)
+            opt.load_state_dict(saved)
+            opt_b = opt
+        for n, p in model.named_parameters():
+            p.grad = grads[2][n].clone()
+        opt.step()
+    return ({n: p.detach().clone() for n, p in a.named_parameters()},
+            {n: p.detach().clone() for n, p in b.named_parameters()},
+            [opt_b.state[p][KEY].clone() for p in opt_b.param_groups[0]["params"]],
+            [opt_a.state[p][KEY].clone() for p in opt_a.param_groups[0]["params"]])
+
+
+def test_a_rank_that_loaded_no_moment_takes_the_saved_one():
+    """After a load where one rank got no v (zeros made anew), the next step is still the uninterrupted
+    one on every rank, bitwise: the ranks agree on v (the max, exact: v >= 0) before the first NS after
+    the load, so a home that lost its v does not normalize with zeros (fails without that agreement)."""
+    import dist_harness
+
+    per_rank = dist_harness.run(_lost_moment_worker, 2, timeout=120)
+    for rank in range(2):
+        want, got, v_got, v_want = per_rank[rank]
+        for n in want:
+            assert torch.equal(got[n], want[n]), (rank, n)
+        for x, y in zip(v_got, v_want):
+            assert torch.equal(x, y), rank
+
+
 def test_rule_invariants_on_drawn_matrices():
     """rules/normuon.normalize on 40 seeded shapes (1-wide, tall, wide), dtypes and β₂: the result keeps
     O's Frobenius norm and dtype; with β₂ = 0 every row ends with the same RMS (the paper's aim); an

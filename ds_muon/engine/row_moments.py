@@ -152,6 +152,28 @@ class RowMoments:
         return Shared(work, buf, places)
 
 
+def agree_after_load(layouts: Iterable[Layout], group_of: Mapping[int, dict], state: Mapping, done: set) -> None:
+    """After a load, every rank's ``v`` of each normuon matrix made the same: the max over the layout's
+    group, one all_reduce per layout not in ``done`` (then added to it).  ``v`` ≥ 0, and a rank that
+    loaded none (FSDP1's ``optim_state_dict_to_load`` gives ``{}`` to a rank holding no element of a
+    tensor, so its ``v`` is made anew as zeros) would otherwise feed zeros to NorMuon where it is the
+    home; the ranks that loaded it hold the same saved values, so the max is those values, exactly."""
+    for layout in layouts:
+        if id(layout) in done:
+            continue
+        done.add(id(layout))
+        mats = [i for i, (b, _) in enumerate(layout.local) if is_normuon(group_of.get(id(b.param)))]
+        if not mats or layout.world_size == 1:
+            continue
+        views = [moment_of(layout, i, state) for i in mats]
+        buf = torch.cat(views)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=layout.group)
+        off = 0
+        for v in views:
+            v.copy_(buf[off:off + v.numel()])
+            off += v.numel()
+
+
 def _fsdp1_flat(p: torch.Tensor) -> bool:
     """An FSDP1 FlatParameter, or (``use_orig_params=True``) an original parameter viewed into one."""
     return hasattr(p, "_fqns") or getattr(p, "_fsdp_flattened", False)

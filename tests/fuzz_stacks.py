@@ -170,8 +170,9 @@ def _same_state(a: dict, b: dict) -> Optional[str]:
     return None
 
 
-def run_case(case: Case) -> dict:
-    """Train ``case`` on its stack (this rank's part of it); see the module doc."""
+def run_case(case: Case, extra=None) -> dict:
+    """Train ``case`` on its stack (this rank's part of it); see the module doc.  ``extra(opt, flat_state)``:
+    more results (a dict) read off the optimizer at the end."""
     run = _build(case)
     roundtrip = None
     for t in range(case.steps):
@@ -180,7 +181,8 @@ def run_case(case: Case) -> dict:
             saved = copy.deepcopy(run.opt.state_dict())
             run.opt.load_state_dict(copy.deepcopy(saved))
             roundtrip = _same_state(saved, run.opt.state_dict())
-    out = {"params": run.full_params(), "keys": state_keys(run.opt, run.flat_state), "roundtrip": roundtrip}
+    out = {"params": run.full_params(), "keys": state_keys(run.opt, run.flat_state), "roundtrip": roundtrip,
+           **(extra(run.opt, run.flat_state) if extra else {})}
     del run
     gc.collect()
     return out

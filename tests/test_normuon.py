@@ -359,23 +359,9 @@ def _moments(opt, flat: bool):
 
 def _run_with_moments(case):
     """fuzz_stacks.run_case, plus the moments every rank holds at the end."""
-    import gc
+    from fuzz_stacks import run_case
 
-    from fuzz_stacks import _build, _same_state, state_keys
-
-    run = _build(case)
-    roundtrip = None
-    for t in range(case.steps):
-        run.train_step(case.grads(run.shapes, t))
-        if t + 1 == case.roundtrip_after:
-            saved = copy.deepcopy(run.opt.state_dict())
-            run.opt.load_state_dict(copy.deepcopy(saved))
-            roundtrip = _same_state(saved, run.opt.state_dict())
-    out = {"params": run.full_params(), "keys": state_keys(run.opt, run.flat_state), "roundtrip": roundtrip,
-           "moments": _moments(run.opt, run.flat_state)}
-    del run
-    gc.collect()
-    return out
+    return run_case(case, extra=lambda opt, flat: {"moments": _moments(opt, flat)})
 
 
 def _stack_worker(rank, world, kind, indices):

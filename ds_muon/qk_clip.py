@@ -102,6 +102,8 @@ class QKClip:
         self._bias_bindings: Dict[int, object] = {}  # DeepSpeed: a flat AdamW partition's binding, by id
         self._fsdp1 = None  # FSDP1: which module owns each flat parameter (integrations.fsdp1's index)
         self._slot_cache: Dict[tuple, object] = {}
+        self._lookup_cache: Optional[tuple] = None  # (the optimizer's binding signature, its lookups)
+        self._position_cache: Dict[tuple, torch.Tensor] = {}  # a piece's element positions (fixed per layout)
         # counts attention calls, so a step knows whether any forward ran since the last reduce (every rank
         # alike: all run their forwards), even when the model is called below its root
         self._hooks = [model.get_submodule(n).register_forward_pre_hook(self._on_forward) for n in recorder.maxima()]
@@ -238,7 +240,15 @@ class QKClip:
 
     # -- rows where they live -----------------------------------------------------------------------
     def _lookups(self, opt):
-        """(model tensor id -> clean name, clean name -> tensor, optimizer tensor id -> the name it binds under)."""
+        """(model tensor id -> clean name, clean name -> tensor, optimizer tensor id -> the name it binds under),
+        made once per set of bound tensors (the optimizer's binding signature), not in every clipping step."""
+        sig = (id(opt), opt._binding_sig)
+        if self._lookup_cache is not None and self._lookup_cache[0] == sig:
+            return self._lookup_cache[1]
+        self._lookup_cache = (sig, self._make_lookups(opt))
+        return self._lookup_cache[1]
+
+    def _make_lookups(self, opt):
         by_id = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
         tensors = {clean_name(n): p for n, p in self.model.named_parameters()}
         names = {id(p): opt._name(gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
@@ -288,7 +298,11 @@ class QKClip:
             if not suffix and not transposed and slot.piece.rows == 1 and slot.local_view is None:
                 _multiply_rows(b, slot, factors, cols)  # a run of whole and partial rows: no index tensors
             else:
-                positions = self._positions(b, slot, pname, base, suffix, tensors, projections[pname])
+                key = (id(b), slot.key, slot.piece)
+                positions = self._position_cache.get(key)
+                if positions is None:
+                    positions = self._positions(b, slot, pname, base, suffix, tensors, projections[pname])
+                    self._position_cache[key] = positions
                 _multiply(b, slot, piece_factors(factors, positions, cols, transposed))
             self._applied.add(slot.key)
         biases = {p.bias for p in projections.values() if p.bias is not None and p.bias in self._factors}

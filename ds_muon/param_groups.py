@@ -87,7 +87,7 @@ def muon_param_groups(
             raise NotImplementedError("muon_param_groups: exclude=, include= and split_fused=False need the model "
                                       "before FSDP1 wraps it (or use_orig_params=True after building the groups)")
         return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
-                                 **muon_options)
+                                 example_inputs=example_inputs, **muon_options)
     check_shapes_are_known(model)
     rules = Rules(unwrap_model(model), head_names, routers, split_fused, split_attention, trace=trace,
                   example_inputs=example_inputs)

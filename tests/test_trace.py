@@ -241,7 +241,7 @@ def test_untraceable_model_falls_back_with_one_warning_naming_the_tensors():
         groups = ds_muon.muon_param_groups(model, example_inputs=(torch.zeros(2, 8), torch.zeros(2, 8)))
     assert not [x for x in w if "not by the traced forward" in str(x.message)]
     muon, adam = _sets(groups)
-    assert "a.weight" in muon and {"stem.weight", "b.weight"} <= adam  # reads the input; makes the output
+    assert {"stem.weight", "a.weight"} <= muon and "b.weight" in adam  # b makes the output: a head
 
 
 def test_reading_leaves_the_model_untouched():

@@ -202,7 +202,9 @@ class Rules:
                                                                decided_by="trace")
         if not use.matrix or d.kind == EMBEDDING:
             return traced if not d.muon or use.ops - {"index", "elementwise"} else d
-        if use.input_layer and (d.muon or d.kind == RAW):
+        if use.input_layer and (d.muon or d.kind == RAW) and (self.hf or "conv" in use.ops):
+            # a conv reading the input is a stem (pixels, audio); a Linear reading a config-less model's
+            # input may read features the user's pipeline made, and stays a hidden map
             return Decision(INPUT_LAYER, False, "input layer (reads the model's input: traced)", decided_by="trace")
         if use.head and (d.muon or d.kind == RAW):
             return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} (its output is the model's output: traced)",

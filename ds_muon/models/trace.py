@@ -143,26 +143,38 @@ def _to_meta(obj):
 
 
 # -- the meta copy ----------------------------------------------------------------------------------
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are meta tensors of their global shape (ZeRO-3's
-    ``ds_shape``, a DTensor's full shape), without hooks; the original's data is never copied or touched."""
+def _tensor_memo(model: nn.Module) -> Dict[int, Any]:
+    """Meta stand-ins for every parameter, buffer and plain tensor attribute of ``model``'s modules."""
     memo: Dict[int, Any] = {}
     for p in model.parameters():
-        shape = global_shape(p)
-        memo[id(p)] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(torch.empty(global_shape(p), dtype=p.dtype, device="meta"),
+                                   requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty(global_shape(b), dtype=b.dtype, device="meta")
-    out = copy.deepcopy(model, memo)
+    for m in model.modules():
+        for v in vars(m).values():  # views FSDP1 keeps as attributes, cached tables
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = torch.empty(global_shape(v), dtype=v.dtype, device="meta")
+    return memo
+
+
+def meta_copy(model: nn.Module, memo: Optional[Dict[int, Any]] = None) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of their global shape (ZeRO-3's
+    ``ds_shape``, a DTensor's full shape), without hooks; the original's data is never copied or touched.
+    A deep copy where the model allows one, else (FSDP2 refuses deep copies) a rebuild of the module tree
+    that shares only the modules' non-tensor attributes (configs are copied)."""
+    memo = dict(memo or {})
+    memo.update({k: v for k, v in _tensor_memo(model).items() if k not in memo})
+    try:
+        out = copy.deepcopy(model, dict(memo))
+    except Exception:  # noqa: BLE001 - a module refusing deepcopy
+        out = _rebuild(model, memo, {})
     for m in out.modules():
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                      "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
             d = getattr(m, attr, None)
             if isinstance(d, dict):
                 d.clear()
-        for k in [k for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
-                  and v.device.type != "meta" and k not in m._buffers]:
-            v = getattr(m, k)
-            setattr(m, k, torch.empty(global_shape(v), dtype=v.dtype, device="meta"))
     for c in _configs(out):  # the experts implementation that needs no real routing
         if hasattr(c, "_experts_implementation"):
             try:
@@ -170,6 +182,39 @@ def meta_copy(model: nn.Module) -> nn.Module:
             except Exception:  # noqa: BLE001 - a config refusing it keeps its own
                 pass
     return out
+
+
+def _plain_class(cls):
+    """FSDP2's ``fully_shard`` swaps a module's class for ``FSDP<cls>(FSDPModule, cls)``: the user's class."""
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
+        return cls.__bases__[1]
+    return cls
+
+
+def _rebuild(m: nn.Module, memo: Dict[int, Any], done: Dict[int, nn.Module]) -> nn.Module:
+    if id(m) in done:
+        return done[id(m)]
+    new = object.__new__(_plain_class(type(m)))
+    done[id(m)] = new
+    state = dict(vars(m))
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            state[k] = memo.get(id(v), v)
+        elif hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a config: its own copy
+            if id(v) not in memo:
+                memo[id(v)] = copy.deepcopy(v)
+            state[k] = memo[id(v)]
+    state["_parameters"] = {k: (None if p is None else memo[id(p)]) for k, p in m._parameters.items()}
+    state["_buffers"] = {k: (None if b is None else memo[id(b)]) for k, b in m._buffers.items()}
+    state["_modules"] = {k: (None if c is None else _rebuild(c, memo, done)) for k, c in m._modules.items()}
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_state_dict_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
+                 "_load_state_dict_post_hooks"):
+        if attr in state:
+            state[attr] = type(state[attr])()
+    new.__dict__.update(state)
+    return new
 
 
 def _configs(model):
@@ -403,8 +448,10 @@ class _Recorder(TorchFunctionMode):
                     return none
                 return [(pname, comp)]
             (_, (p1, c1)), (_, (p2, c2)) = comps[0], comps[1]
-            if p1 != p2 or c1.shape != c2.shape or outs[0].shape != c1.shape:
+            if c1.shape != c2.shape or outs[0].shape != c1.shape:
                 return none
+            if p1 != p2:  # a low-rank adapter added to its base layer (LoRA): the base layer's features
+                return [(p1, c1)] if name in _LINEAR_BIN else none
             if torch.equal(c1, c2):
                 return [(p1, c1)]
             if name in _LINEAR_BIN:  # pieces added back together (a rotary embedding): one map, not blocks

@@ -37,7 +37,7 @@ def muon_param_groups(
     exclude: Sequence[str] = (),
     include: Sequence[str] = (),
     example_inputs=None,
-    trace: bool = True,
+    trace=True,
     **muon_options,
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
@@ -68,7 +68,8 @@ def muon_param_groups(
     config, else guessed from the first layer): it says which weights read the model's input (input
     layers) or make its output (heads), which bare stacks are applied as linear maps per expert, and how
     each output is split into blocks.  Where no forward runs (or a tensor is not used by it) the config,
-    module types and names decide, and one warning names those tensors; ``trace=False`` skips reading.
+    module types and names decide, and one warning names those tensors; ``trace=False`` skips reading
+    (a :class:`ds_muon.models.trace.Trace` already read is used as it is).
     DDP, ``torch.compile``, PEFT and DeepSpeed's engine are unwrapped first (:func:`ds_muon.unwrap.unwrap_model`),
     so the decision is the bare model's.
 
@@ -93,7 +94,7 @@ def muon_param_groups(
                   example_inputs=example_inputs)
     decided = classify(model, rules)
     _tag_fused(model, decided, split_fused)
-    decided = _untraced(decided, rules, model, trace)
+    decided = _untraced(decided, rules, model, trace is not False)
     decided = _override(decided, exclude, include)
     owners = param_modules(model)
     muon = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n

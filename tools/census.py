@@ -51,6 +51,13 @@ class Row:
     fused: List[str] = field(default_factory=list)
     step: str = ""  # "finite", "not finite: …", "skipped: …", "" (not stepped)
     tiny: bool = False  # built from the small-width config (else from the default one)
+    by_trace: int = 0  # matrices (2+ dims) decided from the traced forward
+    by_fallback: int = 0  # matrices decided by the config/module/name rules alone
+    trace_error: str = ""  # why the forward could not be read ("" where it was)
+    trace_ms: float = 0.0
+    forward_splits: int = 0  # Muon matrices whose output the forward splits into blocks
+    splits_made: int = 0  # of those, split by ds_muon into the same blocks
+    disagreements: List[str] = field(default_factory=list)  # the decision against what the forward does
 
 
 def families() -> List[str]:
@@ -124,13 +131,18 @@ def classify_family(model_type: str) -> Row:
     if model is None:
         return row
     row.built, row.error, row.cls = True, "", type(model).__name__
+    from ds_muon.models.trace import trace
+
+    traced = trace(model)
+    row.trace_error, row.trace_ms = traced.error, traced.ms
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            groups = ds_muon.muon_param_groups(model)
+            groups = ds_muon.muon_param_groups(model, trace=traced)
     except Exception as e:  # noqa: BLE001
         row.refused, row.error = True, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         return row
+    proof(row, model, groups, traced)
     for g in groups:
         for name, kind, reason, p in zip(g["param_names"], g["param_kinds"], g["param_reasons"], g["params"]):
             row.kinds[kind] += 1
@@ -140,6 +152,64 @@ def classify_family(model_type: str) -> Row:
                 row.fused.append(f"{name.rsplit('.', 2)[-2]}:{reason.split(', ')[1].replace(' apart', '').replace('|', '/')}")
     row.fused = sorted(set(row.fused))
     return row
+
+
+def proof(row: Row, model, groups, traced) -> None:
+    """The traced truth against the decision, tensor by tensor: every Muon matrix whose output the forward
+    splits is split into exactly those blocks (and none the forward does not split), every matrix the
+    forward reads the input with or makes the output with is on AdamW; who decided each matrix."""
+    from ds_muon.engine.tag_keys import BLOCKS, SPLIT_ROWS
+    from ds_muon.models.kinds import _RULES_OF
+
+    rules = _RULES_OF.get(model)
+    if rules is not None:
+        row.disagreements.extend(rules.disagreements)
+    for g in groups:
+        for name, p, reason in zip(g["param_names"], g["params"], g["param_reasons"]):
+            if p.ndim < 2:
+                continue
+            if "not traced" in reason:
+                row.by_fallback += 1
+            else:
+                row.by_trace += 1
+            use = traced.uses.get(name)
+            if use is None or not use.matrix:
+                continue
+            if g["use_muon"] and (use.head or (use.input_layer and "conv" in use.ops)):
+                row.disagreements.append(f"{name}: on Muon, but the forward {'makes the output' if use.head else 'reads the input'}")
+            if not g["use_muon"] or "conv" in use.ops:
+                continue
+            split = getattr(p, SPLIT_ROWS, None) is not None or getattr(p, BLOCKS, None) is not None
+            if use.blocks:
+                row.forward_splits += 1
+                if split and _blocks_equal(p, use):
+                    row.splits_made += 1
+                else:
+                    row.disagreements.append(f"{name}: the forward splits it in {len(use.blocks)} blocks, "
+                                             f"ds_muon {'otherwise' if split else 'not'}")
+            elif split and not use.experts:
+                row.disagreements.append(f"{name}: split by ds_muon, not by the forward")
+
+
+def _blocks_equal(p, use) -> bool:
+    """Whether the blocks ds_muon tagged on ``p`` (per expert) split its outputs as the forward does."""
+    from ds_muon.engine.tag_keys import BLOCKS, SPLIT_ROWS, TRANSPOSED
+
+    def run(spec):
+        start, length, count, period = spec
+        return [start + i * period + j for i in range(count) for j in range(length)]
+
+    in_out = bool(getattr(p, TRANSPOSED, False))
+    sets = set()
+    split = getattr(p, SPLIT_ROWS, None)
+    if split is not None:
+        r = 0
+        for _, n in split:
+            sets.add(tuple(range(r, r + n)))
+            r += n
+    for _, rows, cols in getattr(p, BLOCKS, None) or ():
+        sets.add(tuple(sorted(run(cols if in_out else rows))))
+    return sets == {tuple(b) for b in use.blocks}
 
 
 def step_family(model_type: str) -> str:

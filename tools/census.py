@@ -6,7 +6,10 @@ enters by itself) the most complete class (causal LM, masked LM, seq2seq, classi
 else the base model) is built from its config with few layers and small sizes (on the ``meta``
 device: no memory, no time), and :func:`ds_muon.muon_param_groups` classifies every trainable
 tensor.  A row reports the kinds, the fused projections split, and what failed: the model does
-not build (and why), or ds_muon refuses it (and why).  ``--step N`` also builds N seeded
+not build (and why), or ds_muon refuses it (and why).  The census is also a proof: the forward is read
+(:mod:`ds_muon.models.trace`, on the meta device) and each tensor's decision is checked against it
+(:func:`proof`: the splits the forward performs are the splits made, no input layer or head on Muon),
+with how many matrices the trace decided and how many the fallback rules did.  ``--step N`` also builds N seeded
 families for real and runs one single-process step from random gradients (finite or not).
 
     python tools/census.py [--only llama,gpt2] [--step 6] [--markdown docs/CENSUS.md]
@@ -131,9 +134,16 @@ def classify_family(model_type: str) -> Row:
     if model is None:
         return row
     row.built, row.error, row.cls = True, "", type(model).__name__
+    return classify_model(row, model)
+
+
+def classify_model(row: Row, model, example_inputs=None) -> Row:
+    """Read ``model``'s forward, build its groups from that reading, and check one against the other."""
+    import ds_muon
     from ds_muon.models.trace import trace
 
-    traced = trace(model)
+    row.built, row.cls = True, row.cls or type(model).__name__
+    traced = trace(model, example_inputs)
     row.trace_error, row.trace_ms = traced.error, traced.ms
     try:
         with warnings.catch_warnings():
@@ -149,7 +159,8 @@ def classify_family(model_type: str) -> Row:
             row.tensors += 1
             row.muon += bool(g["use_muon"])
             if kind == "fused block" or ", " in reason and "apart" in reason:
-                row.fused.append(f"{name.rsplit('.', 2)[-2]}:{reason.split(', ')[1].replace(' apart', '').replace('|', '/')}")
+                what = reason.split(", ")[1].replace(" apart", "").replace("|", "/").split(" (")[0]
+                row.fused.append(f"{name.rsplit('.', 2)[-2]}:{what}")
     row.fused = sorted(set(row.fused))
     return row
 
@@ -272,13 +283,25 @@ def table(rows: List[Row]) -> str:
              f"with no unknown kind: {len(ok)}/{len(built)} ({100 * len(ok) / max(1, len(built)):.0f}%), "
              f"{tensors} tensors; with fused projections split: {sum(1 for r in ok if r.fused)}; "
              f"refused by ds_muon: {len(built) - len(ok)}.", "",
+             f"Read from the forward (meta device, `ds_muon.models.trace`): {sum(1 for r in ok if not r.trace_error)}"
+             f"/{len(ok)} families; matrices decided by the trace: {sum(r.by_trace for r in ok)}, by the fallback "
+             f"rules (config, module types, names): {sum(r.by_fallback for r in ok)}; fused splits the forward "
+             f"performs: {sum(r.forward_splits for r in ok)}, made by ds_muon alike: {sum(r.splits_made for r in ok)}; "
+             f"disagreements between the traced forward and the decision: "
+             f"{sum(len(r.disagreements) for r in ok)}.", "",
              "| kind | tensors |", "| --- | --- |"]
     lines += [f"| {k} | {n} |" for k, n in kinds.most_common()]
-    lines += ["", "| family | class | tensors | Muon | kinds | fused split | step |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| family | class | tensors | Muon | kinds | fused split | decided by trace / by fallback | "
+              "forward splits / made | step |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r.built and not r.refused:
             ks = ", ".join(f"{k} {n}" for k, n in sorted(r.kinds.items()))
-            lines.append(f"| {r.family} | {r.cls} | {r.tensors} | {r.muon} | {ks} | {'; '.join(r.fused)} | {r.step} |")
+            by = f"{r.by_trace} / {r.by_fallback}" + (f" ({r.trace_error.split(':')[0]})" if r.trace_error else "")
+            lines.append(f"| {r.family} | {r.cls} | {r.tensors} | {r.muon} | {ks} | {'; '.join(r.fused)} | {by} | "
+                         f"{r.forward_splits} / {r.splits_made} | {r.step} |")
+    dis = [(r.family, d) for r in ok for d in r.disagreements]
+    if dis:
+        lines += ["", "| family | disagreement |", "| --- | --- |"] + [f"| {f} | {d} |" for f, d in dis]
     lines += ["", "| family | refused or not built: why |", "| --- | --- |"]
     for r in rows:
         if not r.built or r.refused:

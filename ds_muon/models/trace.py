@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from ..engine.layout import global_shape
 
 MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "grouped_mm")
-COMPANION_CAP = 1 << 22  # elements of a companion tensor (int32): beyond, splits of that output are not read
+COMPANION_CAP = 1 << 18  # elements of a companion tensor (int32): beyond, splits of that output are not read
 SEQ = 8  # the default example sequence
 
 
@@ -93,6 +93,8 @@ def example_inputs(model: nn.Module):
             kwargs[main] = torch.zeros(1, ch, size, size)
         elif main == "input_values":
             kwargs[main] = torch.zeros(1, 16000)
+        elif main == "input_features":
+            kwargs[main] = _features(model, config)
         elif main == "input_ids":
             kwargs[main] = torch.zeros(1, SEQ, dtype=torch.long)
         else:
@@ -104,6 +106,24 @@ def example_inputs(model: nn.Module):
             kwargs["use_cache"] = False
         return (), kwargs, f"{main} from the config"
     return _guess(model)
+
+
+def _features(model, config) -> torch.Tensor:
+    """Audio features: ``[1, mel bins, frames]`` where a conv reads the bins as channels (Whisper, at
+    twice its ``max_source_positions`` frames), else ``[1, frames, features]``."""
+    subs = [config] + [v for v in vars(config).values() if hasattr(v, "to_dict")]
+    mel = frames = None
+    for c in subs:
+        mel = mel or next((_int(getattr(c, k, None)) for k in ("num_mel_bins", "feature_size", "input_feat_per_channel",
+                                                              "input_dim") if _int(getattr(c, k, None))), None)
+        frames = frames or _int(getattr(c, "max_source_positions", None))
+    if mel is None:
+        raise LookupError("no feature width in the config: pass example_inputs=")
+    frames = 2 * frames if frames else 32
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv1d)), None)
+    if conv is not None and conv.in_channels == mel:
+        return torch.zeros(1, mel, frames)
+    return torch.zeros(1, frames, mel)
 
 
 def _forward_params(model) -> Set[str]:
@@ -476,23 +496,22 @@ class _Recorder(TorchFunctionMode):
         splits: Dict[str, List[torch.Tensor]] = {}  # param -> per split: piece id of each feature (-1: not in)
         for sid, pieces in self.pieces.items():
             pname, comp = self.sources[sid]
-            whole = torch.unique(comp)
-            sets = []
+            n = self.uses[pname].features or int(comp.max()) + 1
+            whole = _present(comp, n)
+            sets: List[torch.Tensor] = []
             for pc in pieces:
-                s = torch.unique(pc)
-                if s.numel() == whole.numel():
+                m = _present(pc, n)
+                if torch.equal(m, whole):
                     continue  # a piece with every feature: rows or tokens picked, not a split
-                if not any(torch.equal(s, t) for t in sets):
-                    sets.append(s)
-            if len(sets) < 2 or sum(s.numel() for s in sets) != whole.numel() or \
-                    torch.unique(torch.cat(sets)).numel() != whole.numel():
+                if not any(torch.equal(m, t) for t in sets):
+                    sets.append(m)
+            if len(sets) < 2 or not torch.equal(torch.stack(sets).sum(0), whole.long()):
                 continue  # not a partition of the features
             if any(r.shape == comp.shape and torch.equal(r, comp) for p, r in self.rejoined if p == pname):
                 continue  # concatenated back as it was
-            n = self.uses[pname].features or int(whole.max()) + 1
             piece_of = torch.full((n,), -1, dtype=torch.int64)
-            for k, s in enumerate(sets):
-                piece_of[s.long()] = k
+            for k, m in enumerate(sets):
+                piece_of[m] = k
             splits.setdefault(pname, []).append(piece_of)
         for pname, c1, c2 in self.mixed:  # splits whose pieces are added together again are undone
             if pname not in splits:
@@ -533,6 +552,11 @@ def _fake_scalar(name: str, t: torch.Tensor):
     if name == "__float__" or t.is_floating_point():
         return 0.0
     return 1
+
+
+def _present(comp: torch.Tensor, n: int) -> torch.Tensor:
+    """Which of the ``n`` output features a companion holds (a mask)."""
+    return torch.bincount(comp.reshape(-1).long(), minlength=n)[:n] > 0
 
 
 def _last_two(args, t) -> bool:

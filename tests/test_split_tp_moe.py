@@ -94,12 +94,10 @@ def test_fused_qkv_model_equals_separate_single_process():
     torch.manual_seed(0)
     fused = FusedAttn()
     sep = SeparateAttn(fused)
-    # trace=False: the declared blocks against separate Linears, both on Muon (read from its forward, this
-    # two-layer toy's `out` makes the model's output, a head, and SeparateAttn has no forward to read)
-    groups = ds_muon.muon_param_groups(fused, lr=0.05, trace=False)
+    groups = ds_muon.muon_param_groups(fused, lr=0.05)
     assert getattr(fused.qkv.weight, "_ds_muon_split_rows") == tuple(QKV.items())
     o_f = ds_muon.Muon(groups, momentum=0.9, ns_dtype=torch.float32)
-    o_s = ds_muon.Muon(ds_muon.muon_param_groups(sep, lr=0.05, trace=False), momentum=0.9, ns_dtype=torch.float32)
+    o_s = ds_muon.Muon(ds_muon.muon_param_groups(sep, lr=0.05), momentum=0.9, ns_dtype=torch.float32)
     x = torch.randn(5, D)
     for _ in range(STEPS):
         fused(x).square().mean().backward()

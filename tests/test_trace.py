@@ -224,7 +224,7 @@ class _NeedsTwoInputs(torch.nn.Module):
         self.b = torch.nn.Linear(8, 4)
 
     def forward(self, x, y):  # no guess can call this
-        return self.b(self.a(self.stem(x)) + y)
+        return self.b((self.a(self.stem(x)) + y).mean(1))
 
 
 def test_untraceable_model_falls_back_with_one_warning_naming_the_tensors():
@@ -238,10 +238,16 @@ def test_untraceable_model_falls_back_with_one_warning_naming_the_tensors():
     assert "not traced" in reasons["a.weight"]
     with warnings.catch_warnings(record=True) as w:  # the inputs given: read, no warning
         warnings.simplefilter("always")
-        groups = ds_muon.muon_param_groups(model, example_inputs=(torch.zeros(2, 8), torch.zeros(2, 8)))
+        groups = ds_muon.muon_param_groups(model, example_inputs=(torch.zeros(2, 3, 8), torch.zeros(2, 3, 8)))
     assert not [x for x in w if "not by the traced forward" in str(x.message)]
     muon, adam = _sets(groups)
-    assert {"stem.weight", "a.weight"} <= muon and "b.weight" in adam  # b makes the output: a head
+    assert {"stem.weight", "a.weight"} <= muon and "b.weight" in adam  # b classifies pooled features: a head
+
+
+def test_last_layer_of_a_plain_stack_stays_hidden_without_a_config():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    muon, _ = _sets(_groups(model))
+    assert muon == {"0.weight", "2.weight"}  # the rules' behaviour: only pooled classifiers or named heads
 
 
 def test_reading_leaves_the_model_untouched():

@@ -206,7 +206,11 @@ class Rules:
             # a conv reading the input is a stem (pixels, audio); a Linear reading a config-less model's
             # input may read features the user's pipeline made, and stays a hidden map
             return Decision(INPUT_LAYER, False, "input layer (reads the model's input: traced)", decided_by="trace")
-        if use.head and (d.muon or d.kind == RAW):
+        named_head = module_name.rsplit(".", 1)[-1] in self.head_names
+        if use.head and (d.muon or d.kind == RAW) and (self.hf or use.pooled_input or named_head):
+            # without a config, a weight making the output is a head where it classifies pooled features or
+            # picked tokens (ResNet's fc, a ViT's head on x[:, 0]) or is named one; the last layer of a plain
+            # stack of layers stays a hidden map
             return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} (its output is the model's output: traced)",
                             decided_by="trace")
         tagged = param is not None and any(getattr(param, a, None) for a in (EXPERTS, SPLIT_ROWS, BLOCKS,

@@ -51,6 +51,7 @@ class Use:
     experts: bool = False  # a 3-D stack applied per expert (bmm, grouped mm, gathered and applied)
     input_layer: bool = False
     head: bool = False
+    pooled_input: bool = False  # its input was pooled or had tokens picked since the last weight (a classifier)
     features: int = 0  # output features of the matrix the forward applies
     blocks: Optional[List[List[int]]] = None  # the output features of each block, when the output is split
 
@@ -261,7 +262,7 @@ class _Info:
     transposed: bool = False
     gathered: bool = False  # rows of a stack picked per token/expert (W[idx])
     comp: Optional[Tuple[str, torch.Tensor]] = None  # (param, feature index of each element)
-    split_of: Optional[int] = None  # id of the tensor this is a piece of
+    pooled: bool = False  # pooled, reduced or tokens picked since the last weight
 
 
 _VIEWS = {"view", "reshape", "permute", "transpose", "t", "contiguous", "clone", "flatten", "unflatten", "squeeze",
@@ -276,6 +277,9 @@ _LINEAR_BIN = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__
 _PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__",
                 "__itruediv__", "div_", "true_divide"}
 _CAT = {"cat", "concat", "concatenate", "stack"}
+_POOLS = {"mean", "sum", "amax", "amin", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+          "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+          "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices"}
 
 
 def _name(func) -> str:
@@ -367,13 +371,15 @@ class _Recorder(TorchFunctionMode):
                 self.use(i.param).ops.add("elementwise" if name not in _PIECES else "index")
         weighted = any(i.weighted for i in infos)
         raw = any(i.raw for i in infos) and not weighted
+        pooled = any(i.pooled for i in infos) or name in _POOLS or (
+            name in ("__getitem__", "select") and first is not None and outs[0].ndim < first.ndim)
         heads = _merge_heads([i.heads for i in infos])
         comps = [(a, i.comp) for a, i in zip(flat_in, infos) if i.comp is not None]
         comp_out: List[Optional[Tuple[str, torch.Tensor]]] = [None] * len(outs)
         if comps:
             comp_out = self._follow(name, func, args, kwargs, flat_in, infos, comps, outs)
         for o, c in zip(outs, comp_out):
-            self.put(o, _Info(raw=raw, weighted=weighted, heads=heads, comp=c))
+            self.put(o, _Info(raw=raw, weighted=weighted, heads=heads, comp=c, pooled=pooled))
 
     def _matrix(self, name, func, args, kwargs, out):
         """A weight applied as a linear map: record its use and start its output's companion."""
@@ -426,6 +432,8 @@ class _Recorder(TorchFunctionMode):
         u.experts = u.experts or len(shape) >= 3 and op != "conv"
         if di.raw:
             u.input_layer = True
+        if di.pooled:
+            u.pooled_input = True
         o = out if isinstance(out, torch.Tensor) else None
         if o is None:
             return op

@@ -198,7 +198,7 @@ def proof(row: Row, model, groups, traced) -> None:
                 else:
                     row.disagreements.append(f"{name}: the forward splits it in {len(use.blocks)} blocks, "
                                              f"ds_muon {'otherwise' if split else 'not'}")
-            elif split and not use.experts:
+            elif split and not use.experts and not use.unread:
                 row.disagreements.append(f"{name}: split by ds_muon, not by the forward")
 
 

@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_flatten
 from ..engine.layout import global_shape
 
 MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "grouped_mm")
-COMPANION_CAP = 1 << 18  # elements of a companion tensor (int32): beyond, splits of that output are not read
+COMPANION_CAP = 1 << 21  # elements of a companion tensor (int32): beyond, splits of that output are not read
+CONV_COMPANION_CAP = 1 << 16  # the same for conv outputs (feature maps: large, and rarely split)
 SEQ = 8  # the default example sequence
 
 
@@ -51,6 +52,7 @@ class Use:
     experts: bool = False  # a 3-D stack applied per expert (bmm, grouped mm, gathered and applied)
     input_layer: bool = False
     head: bool = False
+    unread: bool = False  # its output was too large to follow: splits of it are not known
     pooled_input: bool = False  # its input was pooled or had tokens picked since the last weight (a classifier)
     features: int = 0  # output features of the matrix the forward applies
     blocks: Optional[List[List[int]]] = None  # the output features of each block, when the output is split
@@ -440,7 +442,9 @@ class _Recorder(TorchFunctionMode):
         comp = None
         n = int(o.shape[feat_axis]) if o.ndim else 0
         u.features = n
-        if 0 < o.numel() <= COMPANION_CAP and o.ndim >= 1:
+        if o.numel() > (CONV_COMPANION_CAP if op == "conv" else COMPANION_CAP):
+            u.unread = True
+        elif o.numel() > 0 and o.ndim >= 1:
             idx = torch.arange(n, dtype=torch.int32)
             sh = [1] * o.ndim
             sh[feat_axis] = n

@@ -292,3 +292,27 @@ def test_known_families_muon_sets_equal_the_rules_alone(family):
         rules_obj = ds_muon.models.kinds.Rules(build())
         classify(build(), rules_obj)
         assert not rules_obj.trace.error and not rules_obj.disagreements, rules_obj.disagreements
+
+
+class _Irregular(torch.nn.Module):
+    """Two splits of one output whose pieces cross into a block that is no evenly spaced run ({3, 5, 6, 7})."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(4, 8)
+
+    def forward(self, idx):
+        h = self.proj(self.emb(idx))
+        a, b = h.split([3, 5], dim=-1)
+        c, d = h.view(*h.shape[:-1], 2, 4).split([1, 3], dim=-1)
+        parts = [t.flatten(2).sum(-1, keepdim=True) for t in (a, b, c, d)]
+        return self.out(torch.cat(parts, dim=-1))
+
+
+def test_a_split_no_stack_can_shard_raises_naming_the_tensor():
+    with pytest.raises(NotImplementedError, match=r"proj\.weight .*not evenly spaced runs.*split_fused=False"):
+        _groups(_Irregular())
+    muon, _ = _sets(_groups(_Irregular(), split_fused=False))  # the way out the message names
+    assert "proj.weight" in muon

@@ -288,7 +288,7 @@ def table(rows: List[Row]) -> str:
              f"rules (config, module types, names): {sum(r.by_fallback for r in ok)}; fused splits the forward "
              f"performs: {sum(r.forward_splits for r in ok)}, made by ds_muon alike: {sum(r.splits_made for r in ok)}; "
              f"disagreements between the traced forward and the decision: "
-             f"{sum(len(r.disagreements) for r in ok)}.", "",
+             f"{sum(len(r.disagreements) for r in ok)}. {_reading_cost(ok)}", "",
              "| kind | tensors |", "| --- | --- |"]
     lines += [f"| {k} | {n} |" for k, n in kinds.most_common()]
     lines += ["", "| family | class | tensors | Muon | kinds | fused split | decided by trace / by fallback | "
@@ -307,6 +307,15 @@ def table(rows: List[Row]) -> str:
         if not r.built or r.refused:
             lines.append(f"| {r.family} | {'refused: ' if r.refused else 'does not build: '}{r.error.replace('|', '/')} |")
     return "\n".join(lines)
+
+
+def _reading_cost(ok: List[Row]) -> str:
+    ms = sorted(r.trace_ms for r in ok if not r.trace_error)
+    if not ms:
+        return ""
+    slow = max((r for r in ok if not r.trace_error), key=lambda r: r.trace_ms)
+    return (f"Reading one forward on the meta device: median {ms[len(ms) // 2]:.0f} ms, 90th percentile "
+            f"{ms[int(0.9 * len(ms))]:.0f} ms, slowest {ms[-1]:.0f} ms ({slow.family}).")
 
 
 def main(argv=None) -> int:

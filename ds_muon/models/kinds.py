@@ -502,3 +502,10 @@ def matches(name: str, patterns: Iterable[str]) -> Optional[str]:
 def raw_matrices(decisions: Dict[int, Tuple[str, Decision]], shapes: Dict[int, Tuple[int, ...]]) -> List[str]:
     """Names of raw parameters with 2+ dims (what the one warning lists)."""
     return [n for i, (n, d) in decisions.items() if d.kind == RAW and len(shapes[i]) >= 2]
+
+
+def model_map(model: nn.Module, **options) -> Dict[str, Decision]:
+    """The one table of a model: parameter name -> :class:`Decision` (kind, Muon or not, reason, blocks and
+    orientation in ``plan``, ``decided_by``), read through any wrapper (the bare module's decision)."""
+    rules = Rules(unwrap_model(model), **options)
+    return {name: d for name, d in classify(model, rules).values()}

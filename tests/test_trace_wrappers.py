@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import dist_harness  # noqa: E402
 
-FAMILIES = ("resnet18", "vit", "llama", "gpt2", "mamba", "qwen3_next", "llama4")
+FAMILIES = ("resnet18", "vit", "hf_resnet", "hf_vit", "llama", "gpt2", "mamba", "qwen3_next", "llama4")
 FULL = os.environ.get("DS_MUON_TRACE_FULL") == "1"  # every wrapper x every family (else a seeded sample)
 
 
@@ -25,7 +25,8 @@ def _build(name):
 
     table = {"resnet18": TM.resnet18, "resnet50": TM.resnet50, "resnet_fpn": TM.resnet_fpn_backbone,
              "vit": TM.vit_tiny, "llama": H.tiny_llama, "gpt2": H.tiny_gpt2, "mamba": T.tiny_mamba,
-             "qwen3_next": T.tiny_qwen3_next, "llama4": T.tiny_llama4, "phi3": H.tiny_phi3}
+             "qwen3_next": T.tiny_qwen3_next, "llama4": T.tiny_llama4, "phi3": H.tiny_phi3,
+             "hf_resnet": H.tiny_resnet, "hf_vit": H.tiny_vit}
     return table[name]()
 
 

@@ -80,7 +80,7 @@ def _int(v) -> Optional[int]:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def example_inputs(model: nn.Module):
+def default_inputs(model: nn.Module):
     """``(args, kwargs, description)`` for one forward: from the config (``main_input_name``: token ids,
     pixel values at the config's image size and channels, audio), else a guess from the first layer
     (an image for a conv stem or a patch embedding with ``img_size``, token ids for an embedding, hidden
@@ -292,9 +292,10 @@ def _name(func) -> str:
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, params: Dict[int, str]):
+    def __init__(self, params: Dict[int, str], shapes: Dict[str, Tuple[int, ...]]):
         super().__init__()
         self.params = params  # id(meta parameter) -> name
+        self.shapes = shapes
         self.info: Dict[int, _Info] = {}
         self.keep: List[torch.Tensor] = []  # tensors stay alive so their ids stay theirs
         self.uses: Dict[str, Use] = {}
@@ -620,12 +621,12 @@ def trace(model: nn.Module, example_inputs=None) -> Trace:
     """What ``model``'s forward does with each parameter (:class:`Trace`), read on a meta copy.
 
     ``example_inputs``: a tensor, a tuple of positional arguments, or a dict of keyword arguments for one
-    forward (any device: only shapes and dtypes are used); default: :func:`example_inputs`."""
+    forward (any device: only shapes and dtypes are used); default: :func:`default_inputs`."""
     t0 = time.perf_counter()
     result = Trace()
     try:
         if example_inputs is None:
-            args, kwargs, result.inputs = example_inputs_of(model)
+            args, kwargs, result.inputs = default_inputs(model)
         elif isinstance(example_inputs, dict):
             args, kwargs, result.inputs = (), dict(example_inputs), "example_inputs="
         elif isinstance(example_inputs, (tuple, list)):
@@ -637,8 +638,7 @@ def trace(model: nn.Module, example_inputs=None) -> Trace:
         names = {}
         for n, p in shadow.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), n)
-        rec = _Recorder(names)
-        rec.shapes = {n: tuple(p.shape) for n, p in shadow.named_parameters(remove_duplicate=False)}
+        rec = _Recorder(names, {n: tuple(p.shape) for n, p in shadow.named_parameters(remove_duplicate=False)})
         args, kwargs = _to_meta(args), _to_meta(kwargs)
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -664,5 +664,3 @@ def trace(model: nn.Module, example_inputs=None) -> Trace:
     result.ms = (time.perf_counter() - t0) * 1000
     return result
 
-
-example_inputs_of = example_inputs

@@ -344,6 +344,15 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
     except Exception as e:  # noqa: BLE001 - the rules decide alone, and say so
         traced = Trace(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
     rules = Rules(model, head_names, routers, trace=traced)  # every original tensor's binding asks these rules
+    if traced.error:
+        import warnings
+
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+            warnings.warn(f"ds_muon.muon_param_groups: the FSDP1 model's forward could not be read ({traced.error}); "
+                          "every original tensor is decided by the config, module types and names. Pass "
+                          "example_inputs= (a tensor, tuple or dict for one forward)", UserWarning, stacklevel=3)
     rule = {i: d.reason for i, (_, d) in classify(model, rules).items()}  # for tensors FSDP1 left alone
     muon, adam = [], []
     why = {}  # id -> reason, what Muon.summary() shows

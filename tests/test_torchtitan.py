@@ -9,7 +9,8 @@ block and the root on ``dp``.  The optimizer comes from both hooks (``MuonOptimi
 and ``build_optimizers`` with a job config's ``[optimizer]`` section).
 
 Each rank gets each step's whole gradient, drawn from a seed, as a DTensor of the parameter's
-placements (``distribute_tensor``), so the optimizer is compared alone: every rank's weights, whole,
+placements (``distribute_tensor``; the embedding's ``Replicate`` over ``tp``, as DTensor's backward of a
+row-wise embedding gives it), so the optimizer is compared alone: every rank's weights, whole,
 must be ``torch.equal`` to ``ds_muon.Muon`` in one process after 2K steps.  After K steps model and
 container are saved with DCP (``dcp.save`` of the container's ``state_dict``, as torchtitan's
 checkpointer does); a fresh model (other seed) and container load it and run the last K steps,
@@ -100,12 +101,18 @@ def parallelize(model, dp: int, tp: int):
 
 
 def set_grads(model, step: int) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     full = grads(step, model)
     for n, p in model.named_parameters():
-        p.grad = (distribute_tensor(full[n], p.device_mesh, p.placements) if isinstance(p, DTensor)
-                  else full[n].clone())
+        if not isinstance(p, DTensor):
+            p.grad = full[n].clone()
+            continue
+        placements = p.placements
+        if n == "tok_embeddings.weight":  # DTensor's backward of a row-wise embedding: a Replicate gradient
+            placements = [Replicate() if isinstance(pl, Shard) and pl.dim == 0 and dim == "tp" else pl
+                          for pl, dim in zip(p.placements, p.device_mesh.mesh_dim_names)]
+        p.grad = distribute_tensor(full[n], p.device_mesh, placements)
 
 
 def whole(model) -> dict:

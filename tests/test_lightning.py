@@ -306,3 +306,15 @@ def test_lightning_strategies_bitwise_one_process(tmp_path):
     if TRAINER:
         for r in results:  # every rank refuses, naming the fix
             assert "ds_muon.lightning.DeepSpeedStrategy" in r["unbound"], r["unbound"]
+
+
+def test_example_lightning_train_deepspeed():
+    """examples/lightning_train.py under torchrun at W=2 with ds_muon's DeepSpeed strategy: it learns, ZeRO-2
+    holds the Muon's tensors, and Newton-Schulz ran on both ranks."""
+    pytest.importorskip("deepspeed")
+    from test_examples import _run, _torchrun
+
+    s = _run(_torchrun("lightning_train.py", "--strategy", "deepspeed", "--steps", "20"))
+    assert (s["strategy"], s["world"], s["steps"], s["sharding"]) == ("deepspeed", 2, 20, "zero12"), s
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 1.0, s
+    assert s["muon_home_ranks"] == [0, 1]

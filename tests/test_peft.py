@@ -247,3 +247,15 @@ def test_lora_every_stack_bitwise_one_process(tmp_path):
             for n, t in got["weights"].items():
                 if n in base and n not in trainable and not bf16:
                     assert torch.equal(t, base[n]), (stack, n, "a frozen tensor changed")
+
+
+def test_example_peft_lora_fsdp2_bf16_base():
+    """examples/peft_lora.py under torchrun at W=2, FSDP2 over a bf16 frozen base: it learns the task and
+    the tensors split as documented (12 LoRA factors on Muon, the head copy on AdamW)."""
+    from test_examples import _run, _torchrun
+
+    s = _run(_torchrun("peft_lora.py", "--stack", "fsdp2", "--bf16-base"))
+    assert (s["stack"], s["world"], s["steps"]) == ("fsdp2", 2, 30), s
+    assert s["tensors"]["muon"] == 12 and s["tensors"]["adamw"] == 1 and s["tensors"]["frozen"] > 12, s
+    assert s["accuracy_after"] > s["accuracy_before"] + 0.1, s
+    assert s["muon_home_ranks"] == [0, 1]

@@ -221,3 +221,16 @@ def test_refusals():
         tt.build_optimizers([make_model()], None, None, ft_manager=SimpleNamespace(enabled=True))
     with pytest.raises(ValueError, match="closure"):
         tt.MuonOptimizers.Config().build(model_parts=[make_model()]).step(lambda: 0.0)
+
+
+def test_example_torchtitan_train_tp(tmp_path):
+    """examples/torchtitan_train.py under torchrun at W=2 with tensor parallelism (real backward: the
+    embedding's gradient comes back Replicate), DCP save at the end: it learns."""
+    from test_examples import _run, _torchrun
+
+    s = _run(_torchrun("torchtitan_train.py", "--dp", "1", "--tp", "2", "--save", str(tmp_path / "ckpt")))
+    assert (s["tp"], s["world"], s["steps"]) == (2, 2, 20), s
+    losses = s["train_losses"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:3]) / 3 - 1.0, losses
+    assert s["muon_home_ranks"] == [0, 1] and "(Shard(dim=1),)" in s["placements"]
+    assert os.path.exists(tmp_path / "ckpt" / ".metadata")

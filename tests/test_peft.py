@@ -222,8 +222,8 @@ def _worker(rank, world, stacks, tmp):
 
 STACKS = tuple(s for s in os.environ.get("DS_MUON_PEFT_STACKS",
                                          "ddp,fsdp2,fsdp1,zero2,ddp_bf16,fsdp2_bf16").split(",") if s)
-# ZeRO-3 is not in the default set: there a PEFT model's gradients already differ from one process after
-# one step (the AdamW head copy as much as the LoRA factors, so before Muon: docs/PEFT.md); opt in with
+# ZeRO-3 is not in the default set: its backward rounds differently from one process (the plain transformers
+# Llama too: gradients ~1e-10 off at the first step), which AdamW and Muon amplify (docs/PEFT.md); opt in with
 # DS_MUON_PEFT_STACKS=zero3 to see it
 KINDS = {"ddp": "DefaultAdapter", "fsdp2": "dtensor", "fsdp1": "DefaultAdapter", "zero2": "zero12", "zero3": "zero3"}
 

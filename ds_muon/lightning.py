@@ -87,8 +87,6 @@ class DeepSpeedStrategy(_TrainerDeepSpeed):
     config, ``configure_optimizers`` is not asked).
     """
 
-    strategy_name = "ds_muon_deepspeed"
-
     def setup_environment(self) -> None:
         if _deepspeed_on_cpu() and self.accelerator is not None and self.root_device.type == "cpu":
             super(_TrainerDeepSpeed, self).setup_environment()  # Lightning's DDP set-up, without the CUDA check

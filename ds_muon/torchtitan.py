@@ -46,7 +46,7 @@ class MuonOptimizers(torch.optim.Optimizer):
     (``register_step_pre_hook``, MoE load balancing), ``state_dict()``/``load_state_dict()``.
     """
 
-    @dataclass(kw_only=True)
+    @dataclass
     class Config:
         """The job config's optimizer entry: group settings and any other :class:`ds_muon.Muon` keyword."""
 

@@ -288,6 +288,7 @@ ADAPTERS = {"ddp": ("DefaultAdapter", "plain"), "fsdp2": ("DefaultAdapter", "dte
             "zero2": ("DeepSpeedAdapter", "zero12"), "zero3_entry": ("DeepSpeedAdapter", "zero3")}
 
 
+@pytest.mark.timeout(600)  # 23 s with 2 cores to itself, 200 s measured on a shared box: 15 Lightning start-ups
 def test_lightning_strategies_bitwise_one_process(tmp_path):
     pytest.importorskip("deepspeed")
     ref, ref_k = reference(), reference(K)

@@ -90,41 +90,130 @@ CENSUS = [(targets, r) for targets in (["q_proj"], ["q_proj", "v_proj"], TARGETS
           for r in (1, 2, 8)]
 
 
-@pytest.mark.parametrize("targets,r", CENSUS, ids=[f"{'+'.join(t)}-r{r}" for t, r in CENSUS])
-def test_lora_groups(targets, r):
+def _check_against_bare(model, bare, groups):
+    """Each trainable tensor of ``model`` (a PEFT model of ``bare``'s architecture) sits in the optimizer the
+    bare model gives the layer it stands for, and says why."""
     import ds_muon
-    from ds_muon.peft import lora_param_groups
+
+    bare_groups = ds_muon.muon_param_groups(bare, **SETTINGS)
+    bare_muon = {n: g["use_muon"] for g in bare_groups for n in g["param_names"]}
+    placed_muon = {n: g["use_muon"] for g in groups for n in g["param_names"]}
+    checked = 0
+    for n, p in model.named_parameters():
+        short = n.removeprefix("base_model.model.")
+        if not p.requires_grad:
+            continue
+        for marker in (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B."):
+            if marker in short:
+                stands_for = short.split(marker)[0] + ".weight"
+                break
+        else:
+            stands_for = short.replace(".modules_to_save.default.", ".")
+        assert stands_for in bare_muon, (n, stands_for)
+        assert placed_muon[n] is bare_muon[stands_for], (n, placed_muon[n], stands_for, bare_muon[stands_for])
+        checked += 1
+    return checked
+
+
+def _reasons(model) -> dict:
+    from ds_muon.models.kinds import model_map
+
+    return {n: d for n, d in model_map(model).items() if model.get_parameter(n).requires_grad}
+
+
+@pytest.mark.parametrize("door", ["muon_param_groups", "lora_param_groups"])
+@pytest.mark.parametrize("targets,r", CENSUS, ids=[f"{'+'.join(t)}-r{r}" for t, r in CENSUS])
+def test_lora_groups(targets, r, door):
+    """Every LoRA factor of a hidden projection takes Muon at every rank (rank 1 too: a factor is no input
+    layer), the head copy AdamW, frozen tensors no group; the plain door and the PEFT alias alike, and each
+    tensor where the bare model puts the layer it stands for."""
+    import ds_muon
+    import ds_muon.peft
 
     model = make_peft(targets=targets, r=r)
-    groups = lora_param_groups(model, **SETTINGS)
+    groups = getattr(ds_muon.peft if door == "lora_param_groups" else ds_muon, door)(model, **SETTINGS)
     placed = {id(p): g["use_muon"] for g in groups for p in g["params"]}
     for n, p in model.named_parameters():
         if not p.requires_grad:
             assert id(p) not in placed, f"frozen {n} is in a group"
-        elif ".lora_B." in n and r == 1:
-            # today's rules (ds_muon/models/kinds.py) read a Linear with 1 input as an input layer: AdamW
-            # (docs/PEFT.md; include=["*.lora_B.*"] gives it Muon)
-            assert placed[id(p)] is False, n
         elif ".lora_A." in n or ".lora_B." in n:
-            assert placed[id(p)] is True, f"{n} (a rank-{r} hidden map) should take Muon"
+            assert placed[id(p)] is True, f"{n} (a rank-{r} factor of a hidden map) should take Muon"
         else:
             assert "modules_to_save" in n and placed[id(p)] is False, f"{n} (the head copy) should take AdamW"
     assert sum(len(g["params"]) for g in groups) == sum(p.requires_grad for p in model.parameters())
+    for n, d in _reasons(model).items():
+        if ".lora_" in n:
+            assert "LoRA lora_" in d.reason and "base_layer" in d.reason, (n, d.reason)
+    assert _check_against_bare(model, make_base(), groups) == sum(p.requires_grad for p in model.parameters())
     opt = ds_muon.Muon(groups, **MUON_KW)
     loss_of(model, 0).backward()
     opt.step()
     assert all(len(opt.state[p]) == 0 for p in model.parameters() if not p.requires_grad)  # a frozen base holds nothing
 
 
-def test_lora_on_embedding_and_wrappers():
-    from ds_muon.peft import lora_param_groups
+def make_base(seed: int = 0):
+    """The bare model make_peft wraps (same config and seed), for the decisions it should match."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, num_labels=3,
+                         pad_token_id=0)
+    config._attn_implementation = "eager"
+    return LlamaForSequenceClassification(config)
+
+
+def test_lora_on_the_ends_takes_the_ends_decision():
+    """LoRA on the embedding: its factors take AdamW, as the embedding does, through the plain door; the head
+    copy (PEFT saves ``score`` for a SEQ_CLS task) AdamW; the hidden q_proj's factors Muon."""
+    import ds_muon
 
     model = make_peft(targets=["embed_tokens", "q_proj"], save=())
-    groups = lora_param_groups(model, **SETTINGS)
+    groups = ds_muon.muon_param_groups(model, **SETTINGS)
     kinds = {n: (g["use_muon"], k) for g in groups for n, k in zip(g["param_names"], g["param_kinds"])}
-    emb = {n: v for n, v in kinds.items() if "embed_tokens" in n}
-    assert emb and all(v[0] is False for v in emb.values()), emb  # LoRA of the input end: AdamW
+    ends = {n: v for n, v in kinds.items() if "embed_tokens" in n or ".score." in n}
+    assert len(ends) == 3 and all(v[0] is False for v in ends.values()), ends  # the ends' LoRA: AdamW
+    assert {v[1] for n, v in ends.items() if "embed_tokens" in n} == {"embedding"}, ends
+    assert {v[1] for n, v in ends.items() if ".score." in n} == {"output head"}, ends
     assert all(v[0] for n, v in kinds.items() if "q_proj" in n)
+    assert _check_against_bare(model, make_base(), groups) == len(kinds)
+
+
+def test_lora_vision_rank_of_num_channels():
+    """A ViT (3 input channels) with LoRA of rank 1 and 3 on its attention: no lora_B is read as an input layer
+    (``[out, 3]`` has the pixels' width); the patch embedding's LoRA, and the classifier's (rank 3) or its
+    saved copy (rank 1), take AdamW."""
+    import warnings
+
+    import ds_muon
+    from peft import LoraConfig, get_peft_model
+    from transformers import ViTConfig, ViTForImageClassification
+
+    def vit():
+        torch.manual_seed(0)
+        return ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                   intermediate_size=48, image_size=16, patch_size=8,
+                                                   num_channels=3, num_labels=5))
+
+    for r in (1, 3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            head = dict(modules_to_save=["classifier"]) if r == 1 else {}
+            targets = ["q_proj", "v_proj", "fc1", "fc2", "projection"] + ([] if r == 1 else ["classifier"])
+            model = get_peft_model(vit(), LoraConfig(r=r, target_modules=targets, **head))
+        groups = ds_muon.muon_param_groups(model, **SETTINGS)
+        placed = {n: g["use_muon"] for g in groups for n in g["param_names"]}
+        lora = {n: m for n, m in placed.items() if ".lora_" in n and "projection" not in n and "classifier" not in n}
+        assert lora and all(lora.values()), (r, lora)
+        stem = [m for n, m in placed.items() if ".lora_" in n and "projection" in n]
+        assert stem == [False, False], (r, placed)  # LoRA of the patch embedding (a stem conv): AdamW
+        assert [m for n, m in placed.items() if "classifier" in n] == [False, False], (r, placed)
+        assert _check_against_bare(model, vit(), groups) == len(placed)
+
+
+def test_peft_alias_refuses_other_models():
+    from ds_muon.peft import lora_param_groups
+
     with pytest.raises(TypeError, match="no PEFT model"):
         lora_param_groups(torch.nn.Linear(4, 4))
 

@@ -37,6 +37,7 @@ from ..engine.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
 from .experts import STACK_NAMES, is_fused_experts, is_router, mark_routers, stack_plan
 from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
 from . import config as cfg
+from .adapters import base_layer_of, lora_factors, saved_copies
 from .trace import Trace, Use, trace as trace_forward
 from .wrappers import unwrap_model
 
@@ -141,6 +142,8 @@ class Rules:
         for m in model.modules():
             if isinstance(m, EMBEDDING_TYPES):
                 self.embedding_params.update(id(p) for p in m.parameters(recurse=False))
+        self.lora_factors = lora_factors(model)  # PEFT: a factor takes its base layer's decision
+        self.saved_copies = saved_copies(model)  # PEFT: a modules_to_save copy, the original's
         mark_routers(model)
         if isinstance(trace, Trace):
             self.trace = trace
@@ -171,6 +174,8 @@ class Rules:
                param: Optional[torch.Tensor] = None, config=None) -> Decision:
         """The rules' decision (module types, config, names) refined by what the traced forward does."""
         shape = tuple(int(s) for s in shape)
+        if id(module) in self.lora_factors:
+            return self._lora_factor(module_name, *self.lora_factors[id(module)])
         use = self.use_of(module, pname)
         try:
             d = self._rules(module_name, module, pname, shape, param, config)
@@ -184,7 +189,40 @@ class Rules:
                 d = self._rules(module_name, module, pname, shape, param, config)
             finally:
                 self.names_rule = True
-        return self._refine(d, use, module_name, module, pname, shape, param)
+        d = self._refine(d, use, module_name, module, pname, shape, param)
+        original = self.saved_copies.get(id(module))
+        if original is not None and d.muon:
+            return self._saved_copy(d, original, pname)
+        return d
+
+    def _lora_factor(self, module_name: str, layer: nn.Module, which: str) -> Decision:
+        """A LoRA factor: the decision of the layer it adapts (one matrix of rank ``r``, never its blocks)."""
+        base = base_layer_of(layer)
+        weight = getattr(base, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return Decision(RAW, False, f"{RAW}, LoRA {which} of a {type(base).__name__} without a weight")
+        shape = global_shape(weight)
+        if isinstance(base, nn.Linear) and len(shape) != 2:  # a quantized base stores its weight packed
+            shape = (base.out_features, base.in_features)
+        path = self.path.get(id(base), module_name)
+        d = self.decide(path, base, "weight", shape, weight)
+        if d.muon:
+            kind = CONV if d.kind == CONV else HIDDEN_LINEAR
+            return Decision(kind, True, f"{HIDDEN_MATRIX}, LoRA {which} of a {d.kind} ({path}), one matrix",
+                            decided_by=d.decided_by)
+        return Decision(d.kind, False, f"{d.reason}; LoRA {which} of it ({path})", decided_by=d.decided_by)
+
+    def _saved_copy(self, d: Decision, original: nn.Module, pname: str) -> Decision:
+        """A ``modules_to_save`` copy: an end of the model when the module it copies is one (the original is
+        not run by the traced forward, the copy is: either saying "end" decides)."""
+        weight = getattr(original, pname, None)
+        if not isinstance(weight, torch.Tensor):
+            return d
+        path = self.path.get(id(original), "")
+        od = self.decide(path, original, pname, global_shape(weight), weight)
+        if od.muon:
+            return d
+        return Decision(od.kind, False, f"{od.reason}; modules_to_save copy of {path}", decided_by=od.decided_by)
 
     def _refine(self, d: Decision, use: Optional[Use], module_name, module, pname, shape, param) -> Decision:
         """What the trace changes: lookups are embeddings; a matrix reading the model's input is an input

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 _MAX_DEPTH = 6
 
 
@@ -14,6 +16,17 @@ _MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine"
                     "PeftModelForQuestionAnswering", "PeftModelForFeatureExtraction", "PeftMixedModel")
 
 
+def _is_peft_model(model) -> bool:
+    """PEFT's ``PeftModel``/``PeftMixedModel`` by type when peft is loaded; by name otherwise."""
+    peft = sys.modules.get("peft")
+    types = tuple(t for t in (getattr(peft, "PeftModel", None), getattr(peft, "PeftMixedModel", None))
+                  if isinstance(t, type))
+    if types and isinstance(model, types):
+        return True
+    name = type(model).__name__
+    return name.startswith("PeftModel") or name == "PeftMixedModel"
+
+
 def unwrap_model(model):
     """The user's module behind DDP, DataParallel, DeepSpeed's engine, an FSDP1 root, ``torch.compile`` and
     PEFT (FSDP2's ``fully_shard`` and accelerate keep the module itself, or wrap it in one of these), so what
@@ -23,7 +36,7 @@ def unwrap_model(model):
         inner = None
         if name == "OptimizedModule":
             inner = getattr(model, "_orig_mod", None)
-        elif name.startswith("PeftModel") or name == "PeftMixedModel":
+        elif _is_peft_model(model):
             get = getattr(model, "get_base_model", None)
             inner = get() if callable(get) else None
         elif name in _MODULE_WRAPPERS:

@@ -69,6 +69,14 @@ TABLES: Dict[str, Dict[Tuple[str, str, bool, str], str]] = {
         ("float32", "apply", True, "large"): "per_matrix",
         ("float16", "apply", True, "large"): "per_matrix",
     },
+    # AMD EPYC (avx512, avx512_bf16; no AMX), torch 2.13 CPU: the same class, batched ``baddbmm`` on a
+    # transposed X took 1.18-1.22x (bf16) and 1.11x (fp32) per-matrix ``addmm``'s time (ns_kernels.measure,
+    # 15 interleaved repeats, the box shared); every other class within 5 % of batched (docs/PERFORMANCE.md)
+    "cpu:AuthenticAMD:avx512": {
+        ("bfloat16", "apply", True, "large"): "per_matrix",
+        ("float32", "apply", True, "large"): "per_matrix",
+        ("float16", "apply", True, "large"): "per_matrix",
+    },
 }
 
 # Per device family: bytes of NS workspace one chunk of a stack may use before the iteration runs

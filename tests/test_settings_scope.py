@@ -13,8 +13,10 @@ than groups (the DsMuon JSON's ``params``, ``ds_muon.accelerate`` settings, ``Mu
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 import torch
 from torch import nn
 
@@ -89,9 +91,12 @@ def refused_by_name(fn, gi, key):
     return "accepted"
 
 
-def group_door(key, kind, door):
+_FIXED = object()
+
+
+def group_door(key, kind, door, value=_FIXED):
     """'ok' when the case behaves, else what went wrong (never raises)."""
-    value = KEYS[key][1]
+    value = KEYS[key][1] if value is _FIXED else value
     gi = 0 if kind == MUON else 1
     use_muon = kind == MUON
     model = mlp()
@@ -265,3 +270,34 @@ def test_older_state_dict_with_every_default_in_every_group_still_loads():
     assert not foreign_keys(opt2)
     backward(model2, 3)
     opt2.step()
+
+
+# values drawn per key (valid ones; the census above uses one fixed value per key)
+VALUES = {
+    "momentum": st.floats(0.0, 0.99), "nesterov": st.booleans(), "ns_steps": st.integers(1, 8),
+    "ns_coefficients": st.sampled_from(["keller", "quintic", "polar_express", (3.0, -3.2, 1.2)]),
+    "ns_method": st.sampled_from(["standard", "gram", "auto"]), "ns_dtype": st.sampled_from(["float32", "bfloat16"]),
+    "scale_mode": st.sampled_from(["shape_scaling", "spectral", "unit_rms_norm", "none"]),
+    "extra_scale_factor": st.floats(0.0, 4.0), "variant": st.sampled_from(["muon", "normuon"]),
+    "normuon_beta2": st.floats(0.0, 0.99), "compile": st.booleans(), "adam_lr": st.floats(0.0, 1.0),
+    "adam_betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.0, 0.99)), "adam_eps": st.floats(1e-12, 1e-2),
+    "adam_weight_decay": st.floats(0.0, 0.5), "head_names": st.sampled_from([("head",), ("lm_head", "out")]),
+    "routers": st.sampled_from(["adamw", "muon"]), "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.0, 0.99)),
+    "lr": st.floats(0.0, 0.1), "weight_decay": st.floats(0.0, 0.5), "eps": st.floats(1e-9, 1.0),
+    "weight_decay_mode": st.sampled_from(["decoupled", "l2", "independent", "cautious"]),
+    "foreach": st.sampled_from([None, True, False]),
+}
+_DEFAULTS = dict(ds_muon.Muon([nn.Parameter(torch.zeros(2, 2))]).defaults, betas=(0.9, 0.95))
+
+
+@settings(max_examples=int(os.environ.get("DS_MUON_SCOPE_EXAMPLES", 40)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), key=st.sampled_from(sorted(KEYS)), kind=st.sampled_from([MUON, ADAMW]),
+       door=st.sampled_from(GROUP_DOORS))
+def test_drawn_values_through_every_group_door(data, key, kind, door):
+    """(key, kind, door) drawn with a value drawn for the key (not the default, which changes nothing):
+    accepted and kept where the key acts, refused by name elsewhere."""
+    value = data.draw(VALUES[key], label="value")
+    assume(not (key in _DEFAULTS and value == _DEFAULTS[key]))
+    verdict = group_door(key, kind, door, value)
+    assert verdict in ("ok", "n/a"), verdict

@@ -125,19 +125,26 @@ def _refusals(root):
     return ds_error, unchanged, plain_error, plain_unchanged
 
 
+# universal checkpoints loaded at another ZeRO stage (saved at, loaded at), per load world size: DeepSpeed
+# names the model-states file per stage (ZeRO-3: zero_pp_rank_0_mp_rank_00_..., ZeRO-1/2: mp_rank_00_...),
+# and a universal load at another stage found none (an empty AssertionError) before ds_muon looked for both
+CROSS = {1: ((2, 3), (3, 1)), 3: ((2, 3),)}
+
+
 def _load_worker(rank, world, root):
-    """Any W: every universal checkpoint loaded into a fresh ds_muon engine at its stage; state and one step."""
+    """Any W: every universal checkpoint loaded into a fresh ds_muon engine at its stage (and, per CROSS, at
+    another stage); state and one step."""
     out = {}
-    for stage in STAGES:
+    for saved_at, stage in [(s, s) for s in STAGES] + list(CROSS.get(world, ())):
         torch.manual_seed(1000 + stage)  # a different init: everything must come from the checkpoint
         cfg = dict(ds_config(stage), checkpoint={"load_universal": True})
         from test_deepspeed import TinyLM
 
         engine, _, _, _ = ds_muon_deepspeed.initialize(model=TinyLM(), config=cfg)
-        engine.load_checkpoint(os.path.join(root, f"z{stage}"), tag="t2_universal")
+        engine.load_checkpoint(os.path.join(root, f"z{saved_at}"), tag="t2_universal")
         loaded = full_state(engine), full_fp32(engine)
         train(engine, 1, start=2)
-        out[stage] = loaded + (full_fp32(engine), engine.global_steps)
+        out[stage if saved_at == stage else (saved_at, stage)] = loaded + (full_fp32(engine), engine.global_steps)
     if world == 1:
         out["from_dsmuon"] = _from_deepspeed_muon(root)
         out["other_world"] = _other_world_refused(root)
@@ -227,12 +234,14 @@ def at_w1(universal):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_universal_resume_at_other_world_size(saved, universal, world, request):
+    """Each stage's checkpoint at its own stage and (CROSS) at another: ZeRO-2 -> 3 and 3 -> 1 at W=1,
+    2 -> 3 at W=3."""
     want = saved[1][0]
     results = (request.getfixturevalue("at_w1") if world == 1 else
                dist_harness.run(_load_worker, world, universal, timeout=300, env=ENV))
     for rank, got in enumerate(results):
-        for stage in STAGES:
-            state_w, fp32_w, next_w = want[stage]
+        for stage in list(STAGES) + list(CROSS[world]):
+            state_w, fp32_w, next_w = want[stage if stage in STAGES else stage[0]]
             state_g, fp32_g, next_g, steps = got[stage]
             assert steps == 3
             for name in state_w:

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # ``ds_muon.deepspeed`` / ``.accelerate`` / ``.trainer`` without importing those libraries for users who do
     # not use them
-    if name in ("deepspeed", "accelerate", "trainer"):
+    if name in ("deepspeed", "accelerate", "trainer", "lightning", "torchtitan", "peft"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -19,7 +19,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ds_muon")
 # The roles, bottom up.  A module's role is its package; the top level holds the front doors only.
 FRONT_DOORS = {"ds_muon", "ds_muon.optimizer", "ds_muon.param_groups", "ds_muon.deepspeed", "ds_muon.accelerate",
                "ds_muon.trainer", "ds_muon.cli", "ds_muon.convert", "ds_muon.unwrap", "ds_muon.fsdp",
-               "ds_muon.qk_clip"}
+               "ds_muon.qk_clip", "ds_muon.lightning", "ds_muon.torchtitan", "ds_muon.peft"}
 MAY_IMPORT = {
     "rules": {"rules"},  # the maths: pure functions of tensors
     "engine": {"engine", "rules"},  # where matrices live, the plan, the exchange, the agreement

@@ -33,7 +33,9 @@ HOW_TO_BIND = (
     "build the engine with ds_muon.deepspeed.initialize(model=..., config=...) (config entry "
     '"optimizer": {"type": "DsMuon", ...}), or call ds_muon.deepspeed.bind(engine) right '
     "after deepspeed.initialize(...) / accelerator.prepare(...) (pass the engine, i.e. the prepared model; "
-    "ds_muon.accelerate.prepare and ds_muon.trainer.MuonTrainer do it for you)"
+    "ds_muon.accelerate.prepare and ds_muon.trainer.MuonTrainer do it for you); under PyTorch Lightning use "
+    "strategy=ds_muon.lightning.DeepSpeedStrategy(...) (Fabric: ds_muon.lightning.FabricDeepSpeedStrategy) in place "
+    'of "deepspeed"'
 )
 FLAT_PARTITION = "_ds_muon_flat"  # on a stack's 1-D flat partitions that hold matrices (DeepSpeed's, once bound)
 

@@ -110,6 +110,17 @@ DOC_COMMANDS = {
     "torchrun --nproc_per_node 2 examples/hf_trainer.py --fsdp2": "tests/test_examples.py::test_hf_trainer[fsdp2]",
     "torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed configs/deepspeed/zero3.json":
         "tests/test_examples.py::test_hf_trainer[zero3]",
+    "torchrun --nproc_per_node 2 examples/peft_lora.py --stack fsdp2 --bf16-base":
+        "tests/test_peft.py::test_example_peft_lora_fsdp2_bf16_base",
+}
+# launch lines no test runs as written yet, each with why (the lead's list to close; a new one fails the test)
+UNTESTED = {
+    "torchrun --nproc_per_node 2 examples/lightning_train.py --strategy ddp":
+        "tests/test_lightning.py runs the example with --strategy deepspeed only",
+    "torchrun --nproc_per_node 2 examples/torchtitan_train.py --dp 2 --tp 1":
+        "tests/test_torchtitan.py runs the example at --dp 1 --tp 2 only",
+    "torchrun --nproc_per_node 4 examples/torchtitan_train.py --dp 2 --tp 2":
+        "4 processes: beyond the 2-core CI; tests/test_torchtitan.py runs --dp 1 --tp 2",
 }
 LAUNCH = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(torchrun|accelerate launch|deepspeed|python -m torch\.distributed\.run)\b")
 
@@ -131,7 +142,9 @@ def test_every_doc_launch_command_is_run_by_a_test():
     lines = launch_lines()
     assert len(lines) >= 6, lines
     for page, cmd in lines:
-        assert cmd in DOC_COMMANDS, f"{page}: `{cmd}` is run by no test; add it to DOC_COMMANDS with the test that runs it"
+        assert cmd in DOC_COMMANDS or cmd in UNTESTED, \
+            f"{page}: `{cmd}` is run by no test; add it to DOC_COMMANDS with the test that runs it"
+    print("doc launch lines no test runs yet:", UNTESTED)
     for cmd, node in DOC_COMMANDS.items():
         path, _, name = node.partition("::")
         fn, _, param = name.partition("[")

@@ -282,7 +282,7 @@ def _generated_worker(rank, world, cases):
 
 def test_team_error_is_within_three_times_one_home_on_generated_matrices():
     """The bound that holds (docs/ADVANCED.md, "Team NS"): a team's error against float64 NS is at
-    most 3× the one-home error (measured ≤ 2.65×, on a 3×73 bf16 matrix; ≤ 1.4× on the others) on
+    most 3× the one-home error (measured ≤ 2.65×, on thin matrices with a side of 2–4; ≤ 1.55× on others) on
     Gaussian, rank-deficient and ill-conditioned matrices at scales 1e-30…1e30.  The distance
     team ↔ one home is *not* small on rank-deficient or ill-conditioned matrices in bf16
     (0.1–0.37): there bf16 NS itself is 0.2–1.6 from float64 (bf16 rounding fills the null space,

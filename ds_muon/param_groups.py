@@ -8,6 +8,7 @@ expert stacks) and refuses models whose shapes a stack has hidden.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
@@ -20,6 +21,7 @@ from .models.fused import apply_fused_plan
 from .models.kinds import CONV, HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
 from .models.selection import HEAD_NAMES, split_params, stores_in_out
 from .models.tags import expert_weight, split_rows, transposed
+from .models.wrappers import unwrap_model
 
 
 def muon_param_groups(
@@ -34,6 +36,8 @@ def muon_param_groups(
     split_fused: bool = True,
     exclude: Sequence[str] = (),
     include: Sequence[str] = (),
+    example_inputs=None,
+    trace=True,
     **muon_options,
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
@@ -59,6 +63,16 @@ def muon_param_groups(
     split into gate and up; expert biases take AdamW; routers (a ``*Router``, a Linear whose outputs
     equal the config's expert count) take AdamW unless ``routers="muon"``.
 
+    The forward is read once (:mod:`ds_muon.models.trace`, on a meta copy: the model is not touched) with
+    ``example_inputs`` (a tensor, a tuple of arguments or a dict of keyword arguments; default: from the
+    config, else guessed from the first layer): it says which weights read the model's input (input
+    layers) or make its output (heads), which bare stacks are applied as linear maps per expert, and how
+    each output is split into blocks.  Where no forward runs (or a tensor is not used by it) the config,
+    module types and names decide, and one warning names those tensors; ``trace=False`` skips reading
+    (a :class:`ds_muon.models.trace.Trace` already read is used as it is).
+    DDP, ``torch.compile``, PEFT and DeepSpeed's engine are unwrapped first (:func:`ds_muon.unwrap.unwrap_model`),
+    so the decision is the bare model's.
+
     Raw parameters (a bare ``nn.Parameter`` of a module that is not a linear map: ``A_log``,
     position tables, cls tokens) take AdamW, with one warning listing those of 2+ dims.  When every
     hidden matrix is frozen, the trainable tensors go to one AdamW group (with one warning).
@@ -74,11 +88,13 @@ def muon_param_groups(
             raise NotImplementedError("muon_param_groups: exclude=, include= and split_fused=False need the model "
                                       "before FSDP1 wraps it (or use_orig_params=True after building the groups)")
         return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
-                                 **muon_options)
+                                 example_inputs=example_inputs, **muon_options)
     check_shapes_are_known(model)
-    rules = Rules(model, head_names, routers, split_fused, split_attention)
+    rules = Rules(unwrap_model(model), head_names, routers, split_fused, split_attention, trace=trace,
+                  example_inputs=example_inputs)
     decided = classify(model, rules)
     _tag_fused(model, decided, split_fused)
+    decided = _untraced(decided, rules, model, trace is not False)
     decided = _override(decided, exclude, include)
     owners = param_modules(model)
     muon = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
@@ -117,6 +133,24 @@ def muon_param_groups(
                        "param_kinds": [kinds[id(p)] for _, p in adam], "lr": adam_lr,
                        "weight_decay": adam_weight_decay})
     return groups
+
+
+def _untraced(decided: Dict[int, Tuple[str, Decision]], rules: Rules, model: nn.Module, asked: bool):
+    """Say, in each reason and in one rank-0 warning, which matrices were decided without the trace."""
+    shapes = {id(p): global_shape(p) for p in model.parameters()}
+    why = rules.untraced_why()
+    out, names = dict(decided), []
+    for i, (name, d) in decided.items():
+        if d.decided_by == "trace" or len(shapes.get(i, ())) < 2:
+            continue
+        names.append(name)
+        out[i] = (name, replace(d, reason=f"{d.reason} (decided by {d.decided_by}, not traced)"))
+    if names and asked:
+        listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        _warn_once(f"ds_muon.muon_param_groups: {len(names)} matrices decided by the config, module types and names, "
+                   f"not by the traced forward ({why}): {listed}. Pass example_inputs= (a tensor, tuple or dict for "
+                   "one forward) so the forward can be read, or check them in Muon.summary()")
+    return out
 
 
 def _patterns(what: str, value) -> Tuple[str, ...]:

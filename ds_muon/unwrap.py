@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .models.wrappers import unwrap_model  # noqa: F401 - the module behind DDP, compile, PEFT, engines
 from .optimizer import Muon
 
 # where the wrappers keep what they wrap: DeepSpeed's ZeRO/BF16 wrappers and accelerate's optimizer wrappers
@@ -48,3 +49,4 @@ def find_muon(obj, required: bool = True) -> Optional[Muon]:
     raise TypeError(f"ds_muon.find_muon: no ds_muon.Muon inside {type(obj).__name__} (looked through "
                     f"{' -> '.join(dict.fromkeys(path)) or 'nothing'} under .{', .'.join(_INNER)}); pass the engine, "
                     "optimizer or trainer built with ds_muon (a MuonTrainer holds it once train() has started)")
+

@@ -94,7 +94,9 @@ def test_state_space_a_log_and_depthwise_conv_take_adamw(family):
     assert a_logs and convs
     assert all(kinds[n] == ("raw parameter", False) for n in a_logs)
     assert all(kinds[n] == ("depthwise conv", False) for n in convs)
-    assert {kinds[n][0] for n in _muon(groups)} <= {"hidden linear", "expert"}, _muon(groups)
+    assert {kinds[n][0] for n in _muon(groups)} <= {"hidden linear", "expert", "fused block"}, _muon(groups)
+    in_projs = [n for n in kinds if n.endswith(("mixer.in_proj.weight", "mamba.in_proj.weight"))]
+    assert in_projs and all(kinds[n] == ("fused block", True) for n in in_projs)  # issue 32: [x | z], chunk(2)
     if family == "jamba":
         assert kinds["model.layers.1.feed_forward.router.weight"] == ("router", False)
     opted = _muon(_groups(model, include=["*.A_log"]))  # the warning's way to opt one in

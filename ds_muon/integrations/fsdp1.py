@@ -29,7 +29,7 @@ from ..engine.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.slots import block_slots
 from ..engine.tag_keys import is_tagged, is_transposed
 from ..models.experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
-from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, param_reasons, stores_in_out
+from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, stores_in_out
 from ..models.tags import transposed
 from .base import BindContext
 from .fsdp1_checkpoint import check_gathered_keys
@@ -281,9 +281,47 @@ def bind_fsdp1_orig(param, name: str, flat, i: int, group=None) -> ParamBinding:
                         group=group)
 
 
+def unflattened_meta(model: nn.Module, index: Optional["_Fsdp1Index"] = None) -> nn.Module:
+    """The model as it was before FSDP1 wrapped it, on the meta device: the wrapped modules copied without
+    their ``FullyShardedDataParallel`` wrappers, each original tensor registered again at its original shape
+    (from the FlatParameter's metadata; tied tensors tied again), so its forward can be read."""
+    import copy
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from ..models.trace import _tensor_memo
+
+    index = index or _Fsdp1Index(model)
+    memo: Dict[int, object] = _tensor_memo(model)
+    wrappers = [m for m in model.modules() if isinstance(m, FSDP)]
+    for f in reversed(wrappers):  # innermost first: an outer copy finds its inner wrappers already unwrapped
+        memo[id(f)] = copy.deepcopy(f._fsdp_wrapped_module, memo)
+    root = memo[id(model)] if id(model) in memo else copy.deepcopy(model, memo)
+    for flat, _, _ in index.flat.values():
+        made: Dict[Tuple[int, str], nn.Parameter] = {}
+        for i, info in enumerate(flat._param_infos):
+            shadow = memo.get(id(info.module))
+            if shadow is None:
+                raise LookupError(f"FSDP1: {info.module_name} was not copied")
+            p = nn.Parameter(torch.empty(tuple(flat._shapes[i]), dtype=flat.dtype, device="meta"))
+            _register(shadow, info.param_name, p)
+            made[(id(info.module), info.param_name)] = p
+        for s in flat._shared_param_infos:
+            _register(memo[id(s.module)], s.param_name, made[(id(s.prim_module), s.prim_param_name)])
+    return root
+
+
+def _register(module: nn.Module, name: str, p: nn.Parameter) -> None:
+    if name in module._parameters:
+        del module._parameters[name]
+    elif hasattr(module, name):
+        delattr(module, name)
+    module.register_parameter(name, p)
+
+
 def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4, weight_decay: float = 0.0,
                        adam_weight_decay: float = 0.0, head_names: Sequence[str] = HEAD_NAMES,
-                       routers: str = "adamw", **muon_options) -> List[dict]:
+                       routers: str = "adamw", example_inputs=None, **muon_options) -> List[dict]:
     """Param groups for a model wrapped by FSDP1 (what :func:`ds_muon.muon_param_groups` returns for one).
 
     FSDP1 hides the original shapes (``use_orig_params=False``: 1-D FlatParameters;
@@ -298,7 +336,24 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
     check_routers(routers)
     mark_routers(model)
     index = _Fsdp1Index(model)
-    rule = param_reasons(model, head_names, routers)  # (as split_params) for tensors FSDP1 left alone
+    from ..models.kinds import Rules, classify
+    from ..models.trace import Trace, trace as trace_forward
+
+    try:  # the forward of the model before wrapping, read on a meta rebuild of it
+        traced = trace_forward(unflattened_meta(model, index), example_inputs)
+    except Exception as e:  # noqa: BLE001 - the rules decide alone, and say so
+        traced = Trace(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+    rules = Rules(model, head_names, routers, trace=traced)  # every original tensor's binding asks these rules
+    if traced.error:
+        import warnings
+
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+            warnings.warn(f"ds_muon.muon_param_groups: the FSDP1 model's forward could not be read ({traced.error}); "
+                          "every original tensor is decided by the config, module types and names. Pass "
+                          "example_inputs= (a tensor, tuple or dict for one forward)", UserWarning, stacklevel=3)
+    rule = {i: d.reason for i, (_, d) in classify(model, rules).items()}  # for tensors FSDP1 left alone
     muon, adam = [], []
     why = {}  # id -> reason, what Muon.summary() shows
     for name, p in model.named_parameters():

@@ -1,5 +1,8 @@
 """What each tensor of a model is, read from its modules, its config and its fused projections.
 
+* :mod:`.trace` — what the forward does with each parameter, read once on a meta copy of the model
+  (consuming ops, input layers, heads, how each output is split); :mod:`.wrappers` — the module behind
+  DDP, ``torch.compile``, PEFT, DeepSpeed's engine, so the wrapper cannot change a decision;
 * :mod:`.kinds` — one decision per tensor (kind, Muon or AdamW, why, its blocks) from module semantics
   and the model's ends; :mod:`.config` — expert counts and head layouts from the config;
 * :mod:`.fused` — fused projections' blocks (q|k|v, gate|up, interleaved heads), keyed by module class;

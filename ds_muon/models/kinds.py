@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -34,9 +34,11 @@ from torch.nn.modules.conv import _ConvNd
 
 from ..engine.layout import global_shape
 from ..engine.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
-from .experts import STACK_NAMES, is_fused_experts, is_router, mark_routers
+from .experts import STACK_NAMES, is_fused_experts, is_router, mark_routers, stack_plan
 from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
 from . import config as cfg
+from .trace import Trace, Use, trace as trace_forward
+from .wrappers import unwrap_model
 
 # -- the closed list of kinds, and the optimizer each takes ---------------------------------
 HIDDEN_LINEAR = "hidden linear"
@@ -73,6 +75,7 @@ class Decision:
     muon: bool
     reason: str
     plan: Optional[FusedPlan] = None
+    decided_by: str = "config/module"  # "trace" (what the forward does), "config/module", or "name"
 
 
 def is_conv1d_transformers(module: nn.Module) -> bool:
@@ -107,7 +110,8 @@ class Rules:
     """The facts of one model (its ends, config, owners of fused projections) and :meth:`decide`."""
 
     def __init__(self, model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw",
-                 split_fused: bool = True, split_attention: Optional[str] = None):
+                 split_fused: bool = True, split_attention: Optional[str] = None, trace=True, example_inputs=None):
+        model = unwrap_model(model)
         self.head_names = tuple(head_names)
         self.routers = routers
         self.split_fused = split_fused
@@ -138,8 +142,26 @@ class Rules:
             if isinstance(m, EMBEDDING_TYPES):
                 self.embedding_params.update(id(p) for p in m.parameters(recurse=False))
         mark_routers(model)
+        if isinstance(trace, Trace):
+            self.trace = trace
+        elif trace:
+            self.trace = trace_forward(model, example_inputs)
+        else:
+            self.trace = Trace(error="trace=False")
+        self.uses = {clean_name(n): u for n, u in self.trace.uses.items()}
+        self.disagreements: List[str] = []  # a fused plan of the rules the forward does not split alike
         for m in model.modules():  # so the FSDP1 adapter, seeing one module, asks the same rules
             _RULES_OF[m] = self
+
+    def use_of(self, module: nn.Module, pname: str) -> Optional[Use]:
+        """What the traced forward did with ``module``'s ``pname`` (None: not traced, or not used)."""
+        path = self.path.get(id(module))
+        if path is None or not self.uses:
+            return None
+        return self.uses.get(clean_name(f"{path}.{pname}" if path else pname))
+
+    def untraced_why(self) -> str:
+        return self.trace.error or "not used by the traced forward"
 
     def options(self) -> tuple:
         return (self.head_names, self.routers, self.split_fused, self.split_attention)
@@ -147,7 +169,113 @@ class Rules:
     # -- one tensor ---------------------------------------------------------------------------
     def decide(self, module_name: str, module: nn.Module, pname: str, shape: Sequence[int],
                param: Optional[torch.Tensor] = None, config=None) -> Decision:
+        """The rules' decision (module types, config, names) refined by what the traced forward does."""
         shape = tuple(int(s) for s in shape)
+        use = self.use_of(module, pname)
+        try:
+            d = self._rules(module_name, module, pname, shape, param, config)
+        except NotImplementedError:
+            if use is None or not use.blocks:
+                raise
+            d = Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)  # the forward says how it is fused
+        if d.decided_by == "name" and use is not None and use.matrix and not use.head:
+            self.names_rule = False  # the forward shows a hidden layer named like a head: the trace decides
+            try:
+                d = self._rules(module_name, module, pname, shape, param, config)
+            finally:
+                self.names_rule = True
+        return self._refine(d, use, module_name, module, pname, shape, param)
+
+    def _refine(self, d: Decision, use: Optional[Use], module_name, module, pname, shape, param) -> Decision:
+        """What the trace changes: lookups are embeddings; a matrix reading the model's input is an input
+        layer, one whose output is the model's output a head; a bare stack applied as a linear map (per
+        expert) takes Muon; the blocks the forward splits a Muon weight's output into are its blocks.
+        Evidence that a tensor is *not* used as a matrix never moves one off Muon (a composite op such as
+        ``F.multi_head_attention_forward`` hides its inner linears)."""
+        if use is None:
+            return d
+        traced = replace(d, decided_by="trace")
+        if len(shape) < 2 or d.kind in (VECTOR, DEPTHWISE, ROUTER):
+            return traced
+        if "embedding" in use.ops and not use.matrix:
+            return traced if d.kind == EMBEDDING else Decision(EMBEDDING, False, f"{EMBEDDING} (looked up: traced)",
+                                                               decided_by="trace")
+        if not use.matrix or d.kind == EMBEDDING:
+            return traced if not d.muon or use.ops - {"index", "elementwise"} else d
+        if use.input_layer and (d.muon or d.kind == RAW) and (self.hf or "conv" in use.ops):
+            # a conv reading the input is a stem (pixels, audio); a Linear reading a config-less model's
+            # input may read features the user's pipeline made, and stays a hidden map
+            return Decision(INPUT_LAYER, False, "input layer (reads the model's input: traced)", decided_by="trace")
+        named_head = module_name.rsplit(".", 1)[-1] in self.head_names
+        if use.head and (d.muon or d.kind == RAW) and (self.hf or use.pooled_input or named_head):
+            # without a config, a weight making the output is a head where it classifies pooled features or
+            # picked tokens (ResNet's fc, a ViT's head on x[:, 0]) or is named one; the last layer of a plain
+            # stack of layers stays a hidden map
+            return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} (its output is the model's output: traced)",
+                            decided_by="trace")
+        tagged = param is not None and any(getattr(param, a, None) for a in (EXPERTS, SPLIT_ROWS, BLOCKS,
+                                                                             TENSOR_PARALLEL))
+        if d.kind == RAW and use.ops & {"linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "grouped_mm"}:
+            stack = len(shape) >= 3
+            plan = self._traced_plan(use, shape, stack, module_name, pname) if not tagged else None
+            if stack:
+                plan = plan or FusedPlan({}, "experts", transposed=bool(use.stored_in_out), experts=True)
+                return Decision(EXPERT, True, f"{HIDDEN_MATRIX}, {plan.what} apart (a stack applied per expert: traced)",
+                                plan, decided_by="trace")
+            if plan is not None:
+                return Decision(FUSED_BLOCK, True, f"{HIDDEN_MATRIX}, {plan.what} apart (traced)", plan, "trace")
+            return Decision(HIDDEN_LINEAR, True, f"{HIDDEN_MATRIX} (applied as a linear map: traced)", None, "trace")
+        if not d.muon or not use.blocks or d.kind == CONV or not self.split_fused or tagged:
+            return traced
+        if d.plan is None and is_fused_experts(module) and pname in STACK_NAMES:  # tagged by tag_fused_experts
+            try:
+                stacked = stack_plan(module, pname, shape, pname)
+            except NotImplementedError:
+                stacked = None
+            if stacked is not None and stacked.blocks:
+                rows = {k: ((sum(list(stacked.blocks.values())[:i]), n), None)
+                        for i, (k, n) in enumerate(stacked.blocks.items())}
+                d = replace(d, plan=None)
+                if not _same_partition(FusedPlan(rows, "gate|up", False, True), use, shape):
+                    self.disagreements.append(f"{module_name}.{pname}: rules gate|up, forward {len(use.blocks)} blocks")
+            return traced
+        if d.plan is not None:
+            if self.split_attention is None and not _same_partition(d.plan, use, shape):
+                self.disagreements.append(f"{module_name}.{pname}: rules {d.plan.what}, forward "
+                                          f"{len(use.blocks)} blocks")
+            return traced
+        plan = self._traced_plan(use, shape, len(shape) >= 3, module_name, pname)
+        if plan is None:
+            return traced
+        kind = EXPERT if plan.experts else FUSED_BLOCK
+        return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart (traced)", plan, decided_by="trace")
+
+    def _traced_plan(self, use: Use, shape, stack: bool, module_name: str, pname: str) -> Optional[FusedPlan]:
+        """The blocks the forward split the output into, as a :class:`FusedPlan` (rows of an ``[out, in]``
+        weight, columns of an ``[in, out]`` one; per expert for a stack).  Raises for blocks that are not
+        runs ``(start, length, count, period)``, naming the tensor."""
+        if not use.blocks:
+            return None
+        in_out = bool(use.stored_in_out)
+        extent = int(shape[-1] if in_out else shape[-2 if stack else 0])
+        if stack and not in_out:
+            extent = int(shape[1])
+        if sum(len(b) for b in use.blocks) != extent:
+            return None  # the forward applied a reshaped view: its features are not this matrix's rows/cols
+        blocks = {}
+        for k, feats in enumerate(use.blocks):
+            run = runs_of(feats)
+            if run is None:
+                raise NotImplementedError(
+                    f"muon_param_groups: {module_name}.{pname} {tuple(shape)}: the forward splits its output into "
+                    f"blocks that are not evenly spaced runs (block {k}: {feats[:8]}...), which no stack can shard "
+                    "as blocks. Tag it yourself (ds_muon.fused_blocks), or pass split_fused=False")
+            blocks[str(k)] = (None, run) if in_out else (run, None)
+        what = "blocks " + "|".join(str(len(b)) for b in use.blocks)
+        return FusedPlan(blocks, what, transposed=in_out, experts=stack)
+
+    def _rules(self, module_name: str, module: nn.Module, pname: str, shape: Sequence[int],
+               param: Optional[torch.Tensor] = None, config=None) -> Decision:
         tagged = param is not None and any(getattr(param, a, None) for a in (EXPERTS, SPLIT_ROWS, BLOCKS,
                                                                              TENSOR_PARALLEL))
         if isinstance(module, EMBEDDING_TYPES):
@@ -160,7 +288,7 @@ class Rules:
         if layer is not None:  # torch's parametrizations: original0/1 of weight_norm, original of any other
             if pname == "original0":
                 return Decision(VECTOR, False, "weight-norm gain")
-            return self.decide(self.path.get(id(layer[0]), ""), layer[0], layer[1], shape, param, config)
+            return self._rules(self.path.get(id(layer[0]), ""), layer[0], layer[1], shape, param, config)
         if pname == "weight_g" and hasattr(module, "weight_v"):  # nn.utils.weight_norm (the old one)
             return Decision(VECTOR, False, "weight-norm gain")
         if pname == "weight_v" and (is_linear(module) or isinstance(module, _ConvNd)):
@@ -173,7 +301,7 @@ class Rules:
         if mid in self.input_ids:
             return Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())")
         if self.names_rule and module_name.rsplit(".", 1)[-1] in self.head_names:
-            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD)
+            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="name")
         linear = is_linear(module) and pname == "weight"
         if linear or (isinstance(module, _ConvNd) and pname == "weight"):
             outs = int(module.nf if is_conv1d_transformers(module) else shape[0])
@@ -276,6 +404,51 @@ class Rules:
         return plan
 
 
+def runs_of(feats: Sequence[int]) -> Optional[tuple]:
+    """``(start, length, count, period)`` of sorted indices made of ``count`` equal runs ``period`` apart
+    (``(start, length)`` for one run); None when they are not."""
+    feats = sorted(int(f) for f in feats)
+    start, n = feats[0], len(feats)
+    length = 1
+    while length < n and feats[length] == start + length:
+        length += 1
+    if n % length:
+        return None
+    count = n // length
+    if count == 1:
+        return (start, length)
+    period = feats[length] - start
+    want = [start + i * period + j for i in range(count) for j in range(length)]
+    return (start, length, count, period) if want == feats else None
+
+
+def _same_partition(plan: FusedPlan, use: Use, shape) -> bool:
+    """Whether the rules' blocks split the output features as the forward does (per-head plans are finer)."""
+    try:
+        from .tags import _mask, _run
+
+        axis_in_out = bool(plan.transposed)
+        extent = int(shape[-1] if axis_in_out else shape[1 if plan.experts else 0])
+        sets = []
+        for r, c in plan.blocks.values():
+            spec = c if axis_in_out else r
+            m = _mask(_run(spec, extent, "", ""), extent)
+            sets.append(tuple(int(i) for i in torch.nonzero(m).flatten().tolist()))
+        return sorted(sets) == sorted(tuple(b) for b in use.blocks)
+    except Exception:  # noqa: BLE001 - not comparable
+        return False
+
+
+_WRAP_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the prefixes FSDP1, activation checkpointing and torch.compile insert."""
+    for p in _WRAP_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
 def _attention(module: nn.Module) -> bool:
     return hasattr(module, "head_dim") or "Attention" in type(module).__name__
 
@@ -298,7 +471,7 @@ def rules_of(module: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers:
     rules = _RULES_OF.get(module)
     if rules is not None and rules.head_names == tuple(head_names) and rules.routers == routers:
         return rules
-    return Rules(module, head_names, routers)
+    return Rules(module, head_names, routers, trace=False)  # a module alone: its input is not the model's
 
 
 # -- a whole model ------------------------------------------------------------------------------
@@ -329,3 +502,10 @@ def matches(name: str, patterns: Iterable[str]) -> Optional[str]:
 def raw_matrices(decisions: Dict[int, Tuple[str, Decision]], shapes: Dict[int, Tuple[int, ...]]) -> List[str]:
     """Names of raw parameters with 2+ dims (what the one warning lists)."""
     return [n for i, (n, d) in decisions.items() if d.kind == RAW and len(shapes[i]) >= 2]
+
+
+def model_map(model: nn.Module, **options) -> Dict[str, Decision]:
+    """The one table of a model: parameter name -> :class:`Decision` (kind, Muon or not, reason, blocks and
+    orientation in ``plan``, ``decided_by``), read through any wrapper (the bare module's decision)."""
+    rules = Rules(unwrap_model(model), **options)
+    return {name: d for name, d in classify(model, rules).values()}

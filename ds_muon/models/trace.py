@@ -1,0 +1,666 @@
+"""Read what a model's forward does with each parameter: one forward on the ``meta`` device.
+
+The model is copied onto the meta device (its parameters replaced by meta tensors of their global
+shape in the copy: the user's model and its data are never touched) and run once with example inputs
+under a ``TorchFunctionMode`` that follows every tensor the forward makes.  For each parameter it
+records (:class:`Use`):
+
+* the ops that consume it: a linear map (``linear``, ``matmul``, ``bmm``, ``addmm``, ``baddbmm``, ``conv``,
+  ``einsum``, grouped mm over a 3-D expert stack, a gathered expert stack), a lookup (``embedding``), or
+  anything else (elementwise, gathered rows);
+* how it is stored: ``[out, in]`` (``F.linear``) or ``[in, out]`` (``x @ W``), per expert for a 3-D stack;
+* whether its input is the model's input with no weight in between (an input layer: stems, patch
+  embeddings) and whether its output reaches the model's output with no other weight and no mixing
+  with other tensors (a head);
+* how its output is split: every ``chunk``/``split``/``unbind``/slice of its output (after any
+  ``view``/``reshape``/``permute`` exposing a block axis) is replayed on a small integer *companion*
+  tensor holding each element's output-feature index, so the blocks and their interleaving are exact
+  for any layout.  A split undone later (the pieces concatenated back in place, or added together as a
+  rotary embedding does) is no split.
+
+Any failure (a forward that needs real data, inputs that cannot be guessed) returns a :class:`Trace`
+with ``error`` set and no uses: the caller falls back to the config/module rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..engine.layout import global_shape
+
+MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "grouped_mm")
+COMPANION_CAP = 1 << 21  # elements of a companion tensor (int32): beyond, splits of that output are not read
+CONV_COMPANION_CAP = 1 << 16  # the same for conv outputs (feature maps: large, and rarely split)
+SEQ = 8  # the default example sequence
+
+
+@dataclass
+class Use:
+    """What the forward did with one parameter (see the module docstring)."""
+
+    ops: Set[str] = field(default_factory=set)
+    stored_in_out: Optional[bool] = None  # True: x @ W ([in, out]); False: F.linear / W @ x ([out, in])
+    experts: bool = False  # a 3-D stack applied per expert (bmm, grouped mm, gathered and applied)
+    input_layer: bool = False
+    head: bool = False
+    unread: bool = False  # its output was too large to follow: splits of it are not known
+    pooled_input: bool = False  # its input was pooled or had tokens picked since the last weight (a classifier)
+    features: int = 0  # output features of the matrix the forward applies
+    blocks: Optional[List[List[int]]] = None  # the output features of each block, when the output is split
+
+    @property
+    def matrix(self) -> bool:
+        return bool(self.ops & set(MATRIX_OPS))
+
+
+@dataclass
+class Trace:
+    """``uses``: parameter name (as ``named_parameters()`` of the traced module gives it) -> :class:`Use`;
+    ``error``: why no forward ran (then ``uses`` is empty); ``ms``: what reading took."""
+
+    uses: Dict[str, Use] = field(default_factory=dict)
+    error: str = ""
+    ms: float = 0.0
+    inputs: str = ""
+
+
+# -- example inputs ---------------------------------------------------------------------------------
+def _int(v) -> Optional[int]:
+    if isinstance(v, (list, tuple)) and v:
+        v = v[0]
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def default_inputs(model: nn.Module):
+    """``(args, kwargs, description)`` for one forward: from the config (``main_input_name``: token ids,
+    pixel values at the config's image size and channels, audio), else a guess from the first layer
+    (an image for a conv stem or a patch embedding with ``img_size``, token ids for an embedding, hidden
+    features for a linear)."""
+    config = getattr(model, "config", None)
+    kwargs: Dict[str, Any] = {}
+    if config is not None and hasattr(config, "to_dict"):
+        main = getattr(model, "main_input_name", "input_ids")
+        sub = getattr(config, "vision_config", None) or config
+        if main == "pixel_values":
+            size = _int(getattr(sub, "image_size", None)) or _int(getattr(config, "image_size", None)) or 224
+            ch = _int(getattr(sub, "num_channels", None)) or _int(getattr(config, "num_channels", None)) or 3
+            kwargs[main] = torch.zeros(1, ch, size, size)
+        elif main == "input_values":
+            kwargs[main] = torch.zeros(1, 16000)
+        elif main == "input_features":
+            kwargs[main] = _features(model, config)
+        elif main == "input_ids":
+            kwargs[main] = torch.zeros(1, SEQ, dtype=torch.long)
+        else:
+            raise LookupError(f"no example for main_input_name={main!r}: pass example_inputs=")
+        params = _forward_params(model)
+        if "decoder_input_ids" in params and main != "decoder_input_ids":
+            kwargs["decoder_input_ids"] = torch.zeros(1, SEQ, dtype=torch.long)
+        if "use_cache" in params or "kwargs" in params:
+            kwargs["use_cache"] = False
+        return (), kwargs, f"{main} from the config"
+    return _guess(model)
+
+
+def _features(model, config) -> torch.Tensor:
+    """Audio features: ``[1, mel bins, frames]`` where a conv reads the bins as channels (Whisper, at
+    twice its ``max_source_positions`` frames), else ``[1, frames, features]``."""
+    subs = [config] + [v for v in vars(config).values() if hasattr(v, "to_dict")]
+    mel = frames = None
+    for c in subs:
+        mel = mel or next((_int(getattr(c, k, None)) for k in ("num_mel_bins", "feature_size", "input_feat_per_channel",
+                                                              "input_dim") if _int(getattr(c, k, None))), None)
+        frames = frames or _int(getattr(c, "max_source_positions", None))
+    if mel is None:
+        raise LookupError("no feature width in the config: pass example_inputs=")
+    frames = 2 * frames if frames else 32
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv1d)), None)
+    if conv is not None and conv.in_channels == mel:
+        return torch.zeros(1, mel, frames)
+    return torch.zeros(1, frames, mel)
+
+
+def _forward_params(model) -> Set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _guess(model: nn.Module):
+    size = None
+    for m in model.modules():  # timm's PatchEmbed keeps img_size
+        s = getattr(m, "img_size", None) or getattr(m, "image_size", None)
+        if s is not None:
+            size = _int(s)
+            break
+    for m in model.modules():
+        if isinstance(m, nn.modules.conv._ConvNd):
+            d = len(m.kernel_size)
+            n = size or (64 if d == 2 else 32)
+            return (torch.zeros(1, m.in_channels, *([n] * d)),), {}, f"a {d + 2}-D input of {m.in_channels} channels"
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            return (torch.zeros(1, SEQ, dtype=torch.long),), {}, "token ids"
+        if isinstance(m, nn.Linear):
+            return (torch.zeros(1, SEQ, m.in_features),), {}, f"features of width {m.in_features}"
+    raise LookupError("no conv, embedding or linear to guess an input from: pass example_inputs=")
+
+
+def _to_meta(obj):
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, dict):
+        return {k: _to_meta(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_meta(v) for v in obj)
+    return obj
+
+
+# -- the meta copy ----------------------------------------------------------------------------------
+def _tensor_memo(model: nn.Module) -> Dict[int, Any]:
+    """Meta stand-ins for every parameter, buffer and plain tensor attribute of ``model``'s modules."""
+    memo: Dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(global_shape(p), dtype=p.dtype, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty(global_shape(b), dtype=b.dtype, device="meta")
+    for m in model.modules():
+        for v in vars(m).values():  # views FSDP1 keeps as attributes, cached tables
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = torch.empty(global_shape(v), dtype=v.dtype, device="meta")
+    return memo
+
+
+def meta_copy(model: nn.Module, memo: Optional[Dict[int, Any]] = None) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of their global shape (ZeRO-3's
+    ``ds_shape``, a DTensor's full shape), without hooks; the original's data is never copied or touched.
+    A deep copy where the model allows one, else (FSDP2 refuses deep copies) a rebuild of the module tree
+    that shares only the modules' non-tensor attributes (configs are copied)."""
+    memo = dict(memo or {})
+    memo.update({k: v for k, v in _tensor_memo(model).items() if k not in memo})
+    try:
+        out = copy.deepcopy(model, dict(memo))
+    except Exception:  # noqa: BLE001 - a module refusing deepcopy
+        out = _rebuild(model, memo, {})
+    for m in out.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            d = getattr(m, attr, None)
+            if isinstance(d, dict):
+                d.clear()
+    for c in _configs(out):  # the experts implementation that needs no real routing
+        if hasattr(c, "_experts_implementation"):
+            try:
+                c._experts_implementation = "batched_mm"
+            except Exception:  # noqa: BLE001 - a config refusing it keeps its own
+                pass
+    return out
+
+
+def _plain_class(cls):
+    """FSDP2's ``fully_shard`` swaps a module's class for ``FSDP<cls>(FSDPModule, cls)``: the user's class."""
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
+        return cls.__bases__[1]
+    return cls
+
+
+def _rebuild(m: nn.Module, memo: Dict[int, Any], done: Dict[int, nn.Module]) -> nn.Module:
+    if id(m) in done:
+        return done[id(m)]
+    new = object.__new__(_plain_class(type(m)))
+    done[id(m)] = new
+    state = dict(vars(m))
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            state[k] = memo.get(id(v), v)
+        elif hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a config: its own copy
+            if id(v) not in memo:
+                memo[id(v)] = copy.deepcopy(v)
+            state[k] = memo[id(v)]
+    state["_parameters"] = {k: (None if p is None else memo[id(p)]) for k, p in m._parameters.items()}
+    state["_buffers"] = {k: (None if b is None else memo[id(b)]) for k, b in m._buffers.items()}
+    state["_modules"] = {k: (None if c is None else _rebuild(c, memo, done)) for k, c in m._modules.items()}
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_state_dict_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
+                 "_load_state_dict_post_hooks"):
+        if attr in state:
+            state[attr] = type(state[attr])()
+    new.__dict__.update(state)
+    return new
+
+
+def _configs(model):
+    seen, out = set(), []
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "to_dict") and id(c) not in seen:
+            seen.add(id(c))
+            out.append(c)
+            for v in vars(c).values():
+                if hasattr(v, "to_dict") and id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+    return out
+
+
+# -- the tracing mode -------------------------------------------------------------------------------
+@dataclass
+class _Info:
+    raw: bool = False  # derived from the model's input with no weight in between
+    weighted: bool = False  # some weight (matrix or lookup) is upstream
+    heads: frozenset = frozenset()  # weights whose output this is, unmixed
+    param: Optional[str] = None  # a view of this parameter (transforms in pview)
+    transposed: bool = False
+    gathered: bool = False  # rows of a stack picked per token/expert (W[idx])
+    comp: Optional[Tuple[str, torch.Tensor]] = None  # (param, feature index of each element)
+    pooled: bool = False  # pooled, reduced or tokens picked since the last weight
+
+
+_VIEWS = {"view", "reshape", "permute", "transpose", "t", "contiguous", "clone", "flatten", "unflatten", "squeeze",
+          "unsqueeze", "expand", "movedim", "swapaxes", "swapdims", "expand_as", "view_as", "reshape_as"}
+_SAME = {"to", "type", "float", "half", "bfloat16", "double", "detach", "requires_grad_", "__get__", "cpu", "cuda",
+         "dropout", "alpha_dropout", "feature_alpha_dropout"}
+_PIECES = {"chunk", "split", "unbind", "tensor_split", "split_with_sizes", "__getitem__", "narrow", "select"}
+_UNARY = {"neg", "__neg__", "silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "exp", "clamp", "clip", "abs",
+          "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid", "relu6", "square", "sqrt", "rsqrt", "log",
+          "sin", "cos", "pow", "__pow__", "silu_", "relu_", "gelu_", "sigmoid_", "tanh_", "clamp_", "float_power"}
+_LINEAR_BIN = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
+_PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__",
+                "__itruediv__", "div_", "true_divide"}
+_CAT = {"cat", "concat", "concatenate", "stack"}
+_POOLS = {"mean", "sum", "amax", "amin", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+          "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+          "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices"}
+
+
+def _name(func) -> str:
+    n = getattr(func, "__name__", "") or ""
+    if n == "__get__":  # properties (Tensor.T, .mT) arrive as their getter
+        n = getattr(getattr(func, "__self__", None), "__name__", n)
+    return n
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, params: Dict[int, str], shapes: Dict[str, Tuple[int, ...]]):
+        super().__init__()
+        self.params = params  # id(meta parameter) -> name
+        self.shapes = shapes
+        self.info: Dict[int, _Info] = {}
+        self.keep: List[torch.Tensor] = []  # tensors stay alive so their ids stay theirs
+        self.uses: Dict[str, Use] = {}
+        self.pieces: Dict[int, List[torch.Tensor]] = {}  # id(split tensor) -> companions of its pieces
+        self.sources: Dict[int, Tuple[str, torch.Tensor]] = {}
+        self.rejoined: List[Tuple[str, torch.Tensor]] = []
+        self.mixed: List[Tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    # -- bookkeeping
+    def get(self, t) -> _Info:
+        if not isinstance(t, torch.Tensor):
+            return _Info()
+        i = self.info.get(id(t))
+        if i is not None:
+            return i
+        if id(t) in self.params:
+            return _Info(param=self.params[id(t)])
+        return _Info()
+
+    def put(self, t, info: _Info):
+        if isinstance(t, torch.Tensor):
+            self.info[id(t)] = info
+            self.keep.append(t)
+
+    def mark_input(self, t):
+        self.put(t, _Info(raw=True))
+
+    def use(self, name: str) -> Use:
+        return self.uses.setdefault(name, Use())
+
+    # -- the mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name in _SCALARS and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            return _fake_scalar(name, args[0])
+        out = func(*args, **kwargs)
+        try:
+            self.observe(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - a bookkeeping miss only loses that op's facts
+            pass
+        return out
+
+    def observe(self, func, args, kwargs, out):
+        name = _name(func)
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        infos = [self.get(a) for a in flat_in]
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if not outs:
+            return
+        matrix = self._matrix(name, func, args, kwargs, out)
+        if matrix is not None:
+            return
+        if name in ("embedding", "embedding_bag"):
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
+            wi = self.get(w)
+            if wi.param:
+                self.use(wi.param).ops.add("embedding")
+            for o in outs:
+                self.put(o, _Info(weighted=True, heads=frozenset()))
+            return
+        # a view of a parameter (transposed, per expert, reshaped)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        fi = self.get(first) if first is not None else _Info()
+        if fi.param and len(flat_in) >= 1 and flat_in[0] is first and name in (_VIEWS | _SAME | _PIECES | {"T", "mT"}):
+            transposed = fi.transposed ^ (name in ("t", "T", "mT") or (name in ("transpose", "swapaxes") and
+                                                                          _last_two(args, first)))
+            gathered = fi.gathered or (name == "__getitem__" and first.ndim >= 3 and _first_axis_index(args))
+            for o in outs:
+                self.put(o, _Info(param=fi.param, transposed=transposed, gathered=gathered))
+            if name not in _VIEWS and name not in _SAME and name not in ("T", "mT") and not gathered:
+                self.use(fi.param).ops.add("index")
+            return
+        for a, i in zip(flat_in, infos):  # any other use of a parameter: elementwise, gathered
+            if i.param:
+                self.use(i.param).ops.add("elementwise" if name not in _PIECES else "index")
+        weighted = any(i.weighted for i in infos)
+        raw = any(i.raw for i in infos) and not weighted
+        pooled = any(i.pooled for i in infos) or name in _POOLS or (
+            name in ("__getitem__", "select") and first is not None and outs[0].ndim < first.ndim)
+        heads = _merge_heads([i.heads for i in infos])
+        comps = [(a, i.comp) for a, i in zip(flat_in, infos) if i.comp is not None]
+        comp_out: List[Optional[Tuple[str, torch.Tensor]]] = [None] * len(outs)
+        if comps:
+            comp_out = self._follow(name, func, args, kwargs, flat_in, infos, comps, outs)
+        for o, c in zip(outs, comp_out):
+            self.put(o, _Info(raw=raw, weighted=weighted, heads=heads, comp=c, pooled=pooled))
+
+    def _matrix(self, name, func, args, kwargs, out):
+        """A weight applied as a linear map: record its use and start its output's companion."""
+        op, w, data, feat_axis, in_out = None, None, None, -1, None
+        a = list(args) + [kwargs.get(k) for k in ("input", "weight", "bias") if k in kwargs]
+        if name == "linear":
+            op, data, w, in_out = "linear", a[0], a[1], False
+        elif name.startswith("conv") and name[4:5].isdigit() or name.startswith("conv_transpose"):
+            op, data, w, feat_axis, in_out = "conv", a[0], a[1], 1, False
+        elif name in ("matmul", "__matmul__", "bmm", "mm", "__rmatmul__"):
+            x, y = (a[1], a[0]) if name == "__rmatmul__" else (a[0], a[1])
+            if self.get(y).param:
+                op, data, w, in_out = ("bmm" if name == "bmm" or y.ndim >= 3 else "matmul"), x, y, True
+            elif self.get(x).param:
+                op, data, w, in_out, feat_axis = "matmul", y, x, False, -2
+        elif name in ("addmm", "baddbmm", "addbmm"):
+            x, y = a[1], a[2]
+            if self.get(y).param:
+                op, data, w, in_out = name, x, y, True
+            elif self.get(x).param:
+                op, data, w, in_out, feat_axis = name, y, x, False, -2
+        elif name in ("_grouped_mm", "grouped_mm"):
+            op, data, w, in_out = "grouped_mm", a[0], a[1], True
+        elif name == "einsum":
+            ts = [t for t in tree_flatten(args[1:])[0] if isinstance(t, torch.Tensor)]
+            for t in ts:
+                if self.get(t).param:
+                    self.use(self.get(t).param).ops.add("einsum")
+            if any(self.get(t).param for t in ts):
+                o = out if isinstance(out, torch.Tensor) else None
+                infos = [self.get(t) for t in ts]
+                self.put(o, _Info(weighted=True))
+                for t, i in zip(ts, infos):
+                    if i.param and any(j.raw for j in infos):
+                        self.use(i.param).input_layer = True
+                return "einsum"
+            return None
+        if op is None or not isinstance(w, torch.Tensor):
+            return None
+        wi, di = self.get(w), self.get(data)
+        if not wi.param:
+            return None
+        u = self.use(wi.param)
+        u.ops.add(op)
+        shape = self.shapes[wi.param]
+        stored = in_out ^ wi.transposed
+        if op != "conv":
+            u.stored_in_out = stored if u.stored_in_out is None else (u.stored_in_out if u.stored_in_out == stored
+                                                                       else None)
+        u.experts = u.experts or len(shape) >= 3 and op != "conv"
+        if di.raw:
+            u.input_layer = True
+        if di.pooled:
+            u.pooled_input = True
+        o = out if isinstance(out, torch.Tensor) else None
+        if o is None:
+            return op
+        comp = None
+        n = int(o.shape[feat_axis]) if o.ndim else 0
+        u.features = n
+        if o.numel() > (CONV_COMPANION_CAP if op == "conv" else COMPANION_CAP):
+            u.unread = True
+        elif o.numel() > 0 and o.ndim >= 1:
+            idx = torch.arange(n, dtype=torch.int32)
+            sh = [1] * o.ndim
+            sh[feat_axis] = n
+            comp = (wi.param, idx.view(sh).expand(tuple(o.shape)).contiguous())
+        self.put(o, _Info(weighted=True, heads=frozenset({wi.param}), comp=comp))
+        return op
+
+    def _follow(self, name, func, args, kwargs, flat_in, infos, comps, outs):
+        """The companion of each output (None where the op mixes features or is not a rearrangement)."""
+        none = [None] * len(outs)
+        src, (pname, comp) = comps[0]
+        if name in _VIEWS | _SAME | _PIECES | {"T", "mT"} and args and args[0] is src:
+            if name in _SAME or name in ("contiguous", "clone"):
+                return [(pname, comp)] * len(outs) if all(o.shape == comp.shape for o in outs) else none
+            rest = [a for a in tree_flatten((args[1:], kwargs))[0] if isinstance(a, torch.Tensor)]
+            if rest:  # an index tensor (advanced indexing): the pieces are not a split we can read
+                return none
+            res = func(comp, *args[1:], **kwargs)
+            res = list(res) if isinstance(res, (tuple, list)) else [res]
+            if len(res) != len(outs) or any(tuple(r.shape) != tuple(o.shape) for r, o in zip(res, outs)):
+                return none
+            if name in _PIECES:
+                self.pieces.setdefault(id(src), []).extend(res)
+                self.sources[id(src)] = (pname, comp)
+                self.keep.append(src)
+            return [(pname, r) for r in res]
+        if name in _UNARY and len(comps) == 1 and len(outs) == 1 and outs[0].shape == comp.shape:
+            return [(pname, comp)]
+        if name in _LINEAR_BIN | _PRODUCT_BIN and len(outs) == 1:
+            others = [i for a, i in zip(flat_in, infos) if i.comp is None and (i.weighted or i.heads)]
+            if len(comps) == 1:
+                if others or outs[0].shape != comp.shape:
+                    return none
+                return [(pname, comp)]
+            (_, (p1, c1)), (_, (p2, c2)) = comps[0], comps[1]
+            if c1.shape != c2.shape or outs[0].shape != c1.shape:
+                return none
+            if p1 != p2:  # a low-rank adapter added to its base layer (LoRA): the base layer's features
+                return [(p1, c1)] if name in _LINEAR_BIN else none
+            if torch.equal(c1, c2):
+                return [(p1, c1)]
+            if name in _LINEAR_BIN:  # pieces added back together (a rotary embedding): one map, not blocks
+                self.mixed.append((p1, c1, c2))
+                return [(p1, c1)]
+            return none
+        if name in _CAT and len(outs) == 1:
+            if len(comps) != len(flat_in) or len({p for _, (p, _) in comps}) != 1:
+                return none
+            res = func([c for _, (_, c) in comps], *args[1:], **kwargs)
+            if tuple(res.shape) != tuple(outs[0].shape):
+                return none
+            self.rejoined.append((pname, res))
+            return [(pname, res)]
+        return none
+
+    # -- the end
+    def finish(self, outputs: Sequence[torch.Tensor]) -> Dict[str, Use]:
+        for t in outputs:
+            for p in self.get(t).heads:
+                self.use(p).head = True
+        splits: Dict[str, List[torch.Tensor]] = {}  # param -> per split: piece id of each feature (-1: not in)
+        for sid, pieces in self.pieces.items():
+            pname, comp = self.sources[sid]
+            n = self.uses[pname].features or int(comp.max()) + 1
+            whole = _present(comp, n)
+            sets: List[torch.Tensor] = []
+            for pc in pieces:
+                m = _present(pc, n)
+                if torch.equal(m, whole):
+                    continue  # a piece with every feature: rows or tokens picked, not a split
+                if not any(torch.equal(m, t) for t in sets):
+                    sets.append(m)
+            if len(sets) < 2 or not torch.equal(torch.stack(sets).sum(0), whole.long()):
+                continue  # not a partition of the features
+            if any(r.shape == comp.shape and torch.equal(r, comp) for p, r in self.rejoined if p == pname):
+                continue  # concatenated back as it was
+            piece_of = torch.full((n,), -1, dtype=torch.int64)
+            for k, m in enumerate(sets):
+                piece_of[m] = k
+            splits.setdefault(pname, []).append(piece_of)
+        for pname, c1, c2 in self.mixed:  # splits whose pieces are added together again are undone
+            if pname not in splits:
+                continue
+            a, b = c1.reshape(-1).long(), c2.reshape(-1).long()
+            kept = []
+            for piece_of in splits[pname]:
+                pa, pb = piece_of[a], piece_of[b]
+                if not bool(((pa != pb) & (pa >= 0) & (pb >= 0)).any()):
+                    kept.append(piece_of)
+            splits[pname] = kept
+        for pname, plist in splits.items():
+            if not plist:
+                continue
+            u = self.uses[pname]
+            n = int(plist[0].numel())
+            sig = torch.stack(plist, dim=1)  # [features, splits]
+            groups: Dict[tuple, List[int]] = {}
+            for f in range(n):
+                groups.setdefault(tuple(sig[f].tolist()), []).append(f)
+            if len(groups) > 1:
+                u.blocks = sorted(groups.values(), key=lambda g: g[0])
+        return self.uses
+
+
+_SCALARS = {"item", "__bool__", "tolist", "__int__", "__float__", "__index__", "__len__"}
+
+
+def _fake_scalar(name: str, t: torch.Tensor):
+    """What a data-dependent read of a meta tensor gets: true, one, zero (the forward's common paths: no
+    padding, no packed sequences, one of each)."""
+    if name == "__len__":
+        return int(t.shape[0])
+    if name == "tolist":
+        return torch.ones(t.shape, dtype=torch.long).tolist()
+    if name == "__bool__" or t.dtype == torch.bool:
+        return True
+    if name == "__float__" or t.is_floating_point():
+        return 0.0
+    return 1
+
+
+def _present(comp: torch.Tensor, n: int) -> torch.Tensor:
+    """Which of the ``n`` output features a companion holds (a mask)."""
+    return torch.bincount(comp.reshape(-1).long(), minlength=n)[:n] > 0
+
+
+def _last_two(args, t) -> bool:
+    dims = [a for a in args[1:3] if isinstance(a, int)]
+    if len(dims) != 2:
+        return False
+    nd = t.ndim
+    return sorted(d % nd for d in dims) == [nd - 2, nd - 1]
+
+
+def _first_axis_index(args) -> bool:
+    """``W[idx]`` / ``W[e]``: rows of the first axis of a stack picked (per expert)."""
+    if len(args) < 2:
+        return False
+    idx = args[1]
+    if isinstance(idx, tuple):
+        idx = idx[0] if idx else None
+    return isinstance(idx, (int, torch.Tensor))
+
+
+def _merge_heads(sets) -> frozenset:
+    nonempty = {s for s in sets if s}
+    return next(iter(nonempty)) if len(nonempty) == 1 else frozenset()
+
+
+def _outputs(out) -> List[torch.Tensor]:
+    """The tensors heads produce: a plain tensor output, the first tensor of a tuple, a model output's
+    ``logits``; none for feature maps (a dict of them, a ``last_hidden_state``)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        for k in ("logits", "prediction_logits", "logits_per_image"):
+            try:
+                v = out[k]
+            except (KeyError, TypeError, IndexError):
+                continue
+            if isinstance(v, torch.Tensor):
+                return [v]
+        return []
+    if isinstance(out, (list, tuple)):
+        for v in out:
+            if isinstance(v, torch.Tensor):
+                return [v]
+    return []
+
+
+# -- the entry point --------------------------------------------------------------------------------
+def trace(model: nn.Module, example_inputs=None) -> Trace:
+    """What ``model``'s forward does with each parameter (:class:`Trace`), read on a meta copy.
+
+    ``example_inputs``: a tensor, a tuple of positional arguments, or a dict of keyword arguments for one
+    forward (any device: only shapes and dtypes are used); default: :func:`default_inputs`."""
+    t0 = time.perf_counter()
+    result = Trace()
+    try:
+        if example_inputs is None:
+            args, kwargs, result.inputs = default_inputs(model)
+        elif isinstance(example_inputs, dict):
+            args, kwargs, result.inputs = (), dict(example_inputs), "example_inputs="
+        elif isinstance(example_inputs, (tuple, list)):
+            args, kwargs, result.inputs = tuple(example_inputs), {}, "example_inputs="
+        else:
+            args, kwargs, result.inputs = (example_inputs,), {}, "example_inputs="
+        shadow = meta_copy(model)
+        shadow.eval()
+        names = {}
+        for n, p in shadow.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+        rec = _Recorder(names, {n: tuple(p.shape) for n, p in shadow.named_parameters(remove_duplicate=False)})
+        args, kwargs = _to_meta(args), _to_meta(kwargs)
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                rec.mark_input(t)
+            elif isinstance(t, torch.Tensor):
+                rec.put(t, _Info())  # ids: rows are looked up, not read as features
+        with torch.no_grad(), rec:
+            out = shadow(*args, **kwargs)
+        uses = rec.finish(_outputs(out))
+        alias = {}
+        for n, p in shadow.named_parameters(remove_duplicate=False):
+            alias.setdefault(id(p), []).append(n)
+        for ns in alias.values():
+            u = next((uses[n] for n in ns if n in uses), None)
+            if u is not None:
+                for n in ns:
+                    uses[n] = u
+        result.uses = uses
+    except Exception as e:  # noqa: BLE001 - any failure falls back to the config/module rules
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        result.error = f"{type(e).__name__}: {first}"
+        result.uses = {}
+    result.ms = (time.perf_counter() - t0) * 1000
+    return result
+

@@ -242,10 +242,7 @@ def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dty
     ``cast`` (a buffer for the cast) and ``ws`` (the iteration's workspace) are reused across chunks."""
     X = G.to(input_dtype(dtype)) if cast is None else cast.copy_(G)  # the same elementwise rounding
     fresh = X is not G  # the cast made a copy this function owns: normalise it in place
-    norm = _frobenius_norm(X)
-    if norm_scale != 1.0:
-        norm = norm * norm_scale
-    norm = norm.clamp_(min=eps).to(X.dtype)
+    norm = input_norm(X, norm_scale, eps)
     X = (X.div_(norm) if fresh and X.dtype == dtype else (X / norm).to(dtype))
     # normalised in G's own layout, then viewed wide: the same memory torch.optim.Muon's
     # transposed view has, and the layout torch.compile keeps too (so both run the same products)
@@ -256,7 +253,37 @@ def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dty
     return X.mT if tall else X
 
 
-def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
+def input_norm(X: torch.Tensor, norm_scale: float, eps: float, dim=(-2, -1)) -> torch.Tensor:
+    """The divisor NS normalises ``X`` by: ``max(norm_scale·‖X‖_F, eps)`` per matrix over ``dim``, in
+    X's dtype, right at every scale.  torch's bf16 norm sums squares in fp32, which overflows to inf
+    for a finite matrix of entries ~1e20 (the update became all zeros) and underflows to 0 below
+    ~1e-19 (0/0 with eps = 0).  So the norm is also summed in float64 (wide enough for the squares of
+    any fp32/bf16/fp16 value; a float64 input is pre-scaled by its max-abs), and that one is taken
+    wherever the fast one could have over- or underflowed: where the float64 norm lies outside
+    [2⁻⁴⁰, 2⁶³] (there the fp32 sum is exact to its own rounding).  Elsewhere the result is the
+    bits of the fast norm, so NS stays bitwise torch.optim.Muon's.  No host sync: a ``where``."""
+    fast = _frobenius_norm(X, dim)
+    if norm_scale != 1.0:
+        fast = fast * norm_scale
+    fast = fast.clamp_(min=eps).to(X.dtype)
+    if X.dtype == torch.float32:  # _frobenius_norm already sums fp32 in float64: no overflow, no underflow
+        return fast
+    wide = _wide_norm(X, dim)
+    ordinary = (wide >= 2.0 ** -40) & (wide <= 2.0 ** 63)
+    safe = (wide * norm_scale).clamp_(min=eps).to(X.dtype)
+    return torch.where(ordinary, fast, safe)
+
+
+def _wide_norm(X: torch.Tensor, dim) -> torch.Tensor:
+    """‖X‖_F over ``dim`` in float64 with neither overflow nor underflow for any finite X."""
+    if X.dtype != torch.float64:
+        return torch.linalg.vector_norm(X, dim=dim, keepdim=True, dtype=torch.float64)
+    peak = torch.amax(X.abs(), dim=dim, keepdim=True)
+    peak = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return torch.linalg.vector_norm(X / peak, dim=dim, keepdim=True) * peak
+
+
+def _frobenius_norm(X: torch.Tensor, dim=(-2, -1)) -> torch.Tensor:
     """Each matrix's Frobenius norm, [batch, 1, 1].  An fp32 input accumulates in float64:
     torch's fp32 norm sums in fp32, 1e-5 off on a 256×1024 matrix, and that scale error
     was the whole of an fp32 iteration's error against float64 (6× above what the
@@ -264,7 +291,7 @@ def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
     (accumulated in fp32, rounded to bf16) so that the default iteration stays bitwise
     torch.optim.Muon's."""
     wide = torch.float64 if X.dtype == torch.float32 else None
-    return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=wide)
+    return torch.linalg.vector_norm(X, dim=dim, keepdim=True, dtype=wide)
 
 
 def _workspace(count: int, m: int, n: int, dtype: torch.dtype, device) -> list:

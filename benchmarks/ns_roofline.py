@@ -1,11 +1,15 @@
 """Newton–Schulz against the machine's matmul rate and against torch.optim.Muon's NS, interleaved.
 
-One thread (as one rank runs its home stacks).  Each round times, back to back: one
-2048² GEMM (the reference rate), then per stack of the bank ds_muon's NS (the kernel
-forms and chunking :mod:`ds_muon.rules.ns_kernels` chooses on this machine), ds_muon's NS with every
-product pinned batched on whole stacks (the old code: ``bmm``/``baddbmm``), and torch.optim.Muon's own NS
-matrix by matrix (``torch.optim._muon._zeropower_via_newtonschulz``; it computes in bf16
-only, so its fp32 column runs the same loop in fp32).  The machine's matmul rate swings
+One thread (as one rank runs its home stacks; ``--threads`` for more).  Each round times, back to
+back (the order reversed every other round): one 2048² GEMM (the reference rate), then per stack
+of the bank ds_muon's NS as the optimizer's step runs it on a home stack (``ds``:
+:class:`~ds_muon.engine.budget.ChunkedNS` with the memory budget of the bank's fp32 momenta, the
+kernel forms and chunking :mod:`ds_muon.rules.ns_kernels` chooses on this machine, results written
+into the stack's own memory; the stack is refilled from fp32 outside the timing, as the gather
+fills it), ``newton_schulz()`` on the whole stack with a contiguous result, the same with every
+product pinned batched (the old code: ``bmm``/``baddbmm``), and torch.optim.Muon's own NS
+matrix by matrix (``torch.optim._muon._zeropower_via_newtonschulz``, fp32 input as ours; it computes in bf16
+only, so its fp32 column runs the same loop in fp32; tall results are its transposed views, no copy).  The machine's matmul rate swings
 2-3× from minute to minute, so every figure is the median over rounds of *that round's*
 ratio, never a ratio of figures taken apart.  Rates are FLOPs over process CPU time on a
 CPU (wall beside it) and over synchronized wall time on a GPU.
@@ -26,6 +30,8 @@ import torch
 
 from common import header, table
 
+from ds_muon.engine.budget import ChunkedNS, budget_bytes
+from ds_muon.engine.compile import ns_settings
 from ds_muon.rules import ns_kernels
 from ds_muon.rules.newton_schulz import KELLER, newton_schulz, ns_flops
 
@@ -41,7 +47,10 @@ def _sync():
 
 
 def timed(fn):
-    """(device-or-CPU seconds, wall seconds) of one call."""
+    """(device-or-CPU seconds, wall seconds) of one call (``fn``: a callable, or (untimed setup, callable))."""
+    if isinstance(fn, tuple):
+        fn[0]()
+        fn = fn[1]
     _sync()
     c0, w0 = time.process_time(), time.perf_counter()
     fn()
@@ -86,6 +95,15 @@ def bare_products(G, dtype):
     return run
 
 
+def engine(G, dtype):
+    """What the optimizer's step runs on a home stack (ds_muon.engine.compile / budget): ChunkedNS on
+    the stack, its results in the stack's own memory; (refill the stack from G, run NS)."""
+    ns = ns_settings(dict(ns_steps=STEPS, ns_coefficients="keller", ns_dtype=dtype, eps=1e-7, ns_method="standard"))
+    run = ChunkedNS(ns, budget_bytes([r * c * 4 for b, r, c in BANK for _ in range(b)]))
+    stack = torch.empty_like(G)
+    return (lambda: stack.copy_(G)), (lambda: run.run(stack))
+
+
 def ours(G, dtype, method="standard", pinned=None):
     def run():
         if pinned is not None:  # the old code: every product batched, whole stacks
@@ -108,7 +126,8 @@ def roofline(dtype, rounds, with_gram):
     stacks = [torch.randn(s, generator=torch.Generator().manual_seed(0)).to(DEVICE) for s in BANK]
     flops = [s[0] * ns_flops(s[1], s[2], STEPS) for s in BANK]
     bare_flops = [f / STEPS for f in flops]  # one step's products
-    cols = {"ds": lambda G: ours(G, dtype), "batched": lambda G: ours(G, dtype, pinned="batched"),
+    cols = {"ds": lambda G: engine(G, dtype), "whole": lambda G: ours(G, dtype),
+            "batched": lambda G: ours(G, dtype, pinned="batched"),
             "torch": lambda G: (lambda: torch_muon_ns(G, dtype)), "bare": lambda G: bare_products(G, dtype)}
     if with_gram:
         cols["gram"] = lambda G: ours(G, dtype, method="gram")
@@ -118,13 +137,13 @@ def roofline(dtype, rounds, with_gram):
     gemm()
     for per in fns.values():
         for f in per:
-            f()  # warm-up
+            timed(f)  # warm-up
     # per round: the GEMM's seconds, and per column the (cpu, wall) seconds of each stack
     rec = []
-    for _ in range(rounds):
+    for r in range(rounds):
         g_cpu, _ = timed(gemm)
         row = {"gemm": g_cpu}
-        for k, per in fns.items():
+        for k, per in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):
             row[k] = [timed(f) for f in per]
         rec.append(row)
     gemm_flops = 2.0 * 2048**3
@@ -144,6 +163,7 @@ def roofline(dtype, rounds, with_gram):
                med(gemm_rate) / 1e12, med(ds_rate) / 1e12,
                f"{med([d / g for d, g in zip(ds_rate, gemm_rate)]):.2f}",
                f"{med([b / g for b, g in zip(bare_rate, gemm_rate)]):.2f}",
+               f"{med([pick(r, 'whole')[0] / pick(r, 'ds')[0] for r in rec]):.2f}",
                f"{med([pick(r, 'batched')[0] / pick(r, 'ds')[0] for r in rec]):.2f}",
                f"{med([pick(r, 'torch')[0] / pick(r, 'ds')[0] for r in rec]):.2f}",
                med([pick(r, "ds")[0] for r in rec]) * 1e3, med([pick(r, "ds")[1] for r in rec]) * 1e3,
@@ -160,6 +180,7 @@ def roofline(dtype, rounds, with_gram):
 def print_calibration(dtypes):
     print("Calibration (ds_muon.rules.ns_kernels.measure: each product's forms interleaved, median ms;"
           " '=' the batched form's bits)\n")
+    print(f"load average before: {open('/proc/loadavg').read().split(' ', 3)[:3]}")
     rows = []
     for dtype in dtypes:
         for product in ns_kernels.PRODUCTS:
@@ -187,6 +208,7 @@ def main():
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--calibrate", action="store_true", help="measure the forms first and use what is fastest")
     ap.add_argument("--compile", action="store_true", help="add compiled NS (compile=True) as compiled/eager time")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: one rank's share of a CPU)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for --device cuda (H200: 989)")
     args = ap.parse_args()
     global DEVICE, COMPILED
@@ -197,21 +219,24 @@ def main():
         COMPILED = compiled_newton_schulz()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("ns_roofline.py --device cuda: no CUDA device here")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     header(f"Newton–Schulz vs GEMM 2048² vs torch.optim.Muon's NS, {STEPS} Keller steps, {args.rounds} interleaved "
            "rounds, medians of per-round ratios"+ (" (GPU: device time)" if DEVICE == "cuda" else
-                                                     ", one thread, process CPU time"))
+                                                     f", {args.threads} thread(s), process CPU time"))
     print(f"ds_muon.rules.ns_kernels: family {ns_kernels.family(DEVICE)}, table {ns_kernels.fingerprint()}\n")
     if args.calibrate:
         print_calibration(dtypes)
+    print(f"load average before: {open('/proc/loadavg').read().split(' ', 3)[:3]}")
     rows = []
     for dtype in dtypes:
         rows += roofline(dtype, args.rounds, with_gram=DEVICE == "cuda" and dtype == torch.bfloat16)
-    headers = ["dtype", "stack", "GEMM TF/s", "NS TF/s", "NS/GEMM", "bare bmm/GEMM", "batched/chosen", "torch/ds_muon",
+    print(f"load average after: {open('/proc/loadavg').read().split(' ', 3)[:3]}\n")
+    headers = ["dtype", "stack", "GEMM TF/s", "NS TF/s", "NS/GEMM", "bare bmm/GEMM", "whole/engine", "batched/chosen",
+               "torch/ds_muon",
                "ds CPU ms", "ds wall ms", "torch CPU ms", "torch wall ms"]
     if DEVICE == "cuda":
-        headers[8], headers[10] = "ds device ms", "torch device ms"
+        headers[9], headers[11] = "ds device ms", "torch device ms"
         headers.insert(5, f"NS/peak {args.peak_tflops:g}")
         headers += ["compiled/eager"] if COMPILED is not None else []
         headers.append("Gram(fp16)/GEMM")
@@ -222,7 +247,8 @@ def main():
         headers.append("compiled/eager")
     table(headers, rows)
     print("NS/GEMM: NS FLOP rate over the 2048² GEMM's; bare bmm/GEMM: one step's three products as plain bmm "
-          "(no scaled adds, no copies: the ceiling of any exact form) over the GEMM's; batched/chosen: the old all-batched NS time over the chosen "
+          "(no scaled adds, no copies: the ceiling of any exact form) over the GEMM's; whole/engine: newton_schulz() on the "
+          "whole stack (contiguous result) over the step's path; batched/chosen: the old all-batched NS time over the chosen "
           "forms'; torch/ds_muon: torch.optim.Muon's NS time over ds_muon's (above 1: ds_muon faster).")
 
 

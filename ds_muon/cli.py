@@ -15,6 +15,7 @@ model and :func:`plan_rows` returns the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,6 +47,53 @@ def _bounded(kind, name: str, low, high=None, strict: bool = False):
     return parse
 
 
+class UsageError(Exception):
+    """A bad argument: :func:`main` prints the one line (naming the argument and the fix) and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line (no usage block), pointing to ``--help``."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = " ".join(str(e).split())
+    return text[:400] if isinstance(e, (ValueError, UsageError)) and text else \
+        (f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__)
+
+
+@contextlib.contextmanager
+def _about(flag: str, value, fix: str):
+    """Whatever fails inside becomes one :class:`UsageError` line: ``flag value: why; fix``."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except Exception as e:
+        why = _one_line(e)
+        if why.startswith(flag + " "):  # the message names the argument and the fix already
+            raise UsageError(why) from None
+        shown = f" {os.fspath(value)!r}" if value is not None and os.fspath(value) not in why else ""
+        raise UsageError(f"{flag}{shown}: {why}; {fix}") from None
+
+
+def _writable_target(path: str) -> None:
+    """OSError unless ``path`` can be written: its folder exists and is writable, and ``path`` is not an
+    existing folder's parent's unwritable child."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(2, f"its folder {parent} does not exist")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise PermissionError(13, f"{path} is not writable")
+    if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(13, f"its folder {parent} is not writable")
+
+
 def _mesh_spec(text: str) -> str:
     """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.engine.costs.parse_mesh` reads, of at most
     :data:`MAX_WORLD_SIZE` ranks."""
@@ -72,10 +120,21 @@ def shapes_from_hf_config(cfg: dict) -> List[Tuple[str, Tuple[int, int]]]:
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}; need hidden_size, num_hidden_layers, "
                          "num_attention_heads (and optionally intermediate_size, num_key_value_heads)") from None
+    for key, v in (("hidden_size", d), ("num_hidden_layers", layers), ("num_attention_heads", heads)):
+        if not _positive_int(v):
+            raise ValueError(f"config.json's {key} is {v!r}; it must be a positive integer")
     ff = cfg.get("intermediate_size", 4 * d)
     kv = cfg.get("num_key_value_heads", heads)
     head_dim = cfg.get("head_dim", d // heads)
     experts = cfg.get("num_local_experts", cfg.get("num_experts", 0)) or 0
+    for key, v in (("intermediate_size", ff), ("num_key_value_heads", kv), ("head_dim", head_dim),
+                   ("moe_intermediate_size", cfg.get("moe_intermediate_size", ff))):
+        if not _positive_int(v):
+            raise ValueError(f"config.json's {key} is {v!r}; it must be a positive integer")
+    if not (_positive_int(experts) or experts == 0):
+        raise ValueError(f"config.json's number of experts is {experts!r}; it must be an integer >= 0")
+    if layers * (4 + 3 * max(experts, 1)) > MAX_MATRICES:
+        raise ValueError(f"config.json makes {layers * (4 + 3 * max(experts, 1))} matrices; at most {MAX_MATRICES}")
     out = []
     for i in range(layers):
         out += [(f"layers.{i}.q", (heads * head_dim, d)), (f"layers.{i}.k", (kv * head_dim, d)),
@@ -108,13 +167,41 @@ def load_shapes(preset: Optional[str] = None, hf_config: Optional[str] = None,
             names = sorted(f[:-5] for f in os.listdir(PRESETS)) if os.path.isdir(PRESETS) else []
             raise ValueError(f"preset {preset!r} not found; presets: {names}")
     if hf_config:
-        with open(hf_config) as f:
-            return shapes_from_hf_config(json.load(f))
-    with open(path) as f:
-        data = json.load(f)
+        return shapes_from_hf_config(_read_json(hf_config))
+    data = _read_json(path)
     if "matrices" not in data:  # a HF config saved as a preset
         return shapes_from_hf_config(data)
-    return [(m["name"], tuple(m["shape"])) for m in data["matrices"]]
+    matrices = data["matrices"]
+    if not isinstance(matrices, list):
+        raise ValueError('"matrices" must be a list of {"name": ..., "shape": [rows, cols]}')
+    out = []
+    for i, m in enumerate(matrices):
+        shape = m.get("shape") if isinstance(m, dict) else None
+        if not (isinstance(m, dict) and isinstance(m.get("name"), str) and isinstance(shape, list) and len(shape) == 2
+                and all(_positive_int(x) for x in shape)):
+            raise ValueError(f'matrices[{i}] is {json.dumps(m)[:80]}; each must be {{"name": "...", '
+                             '"shape": [rows, cols]}} with positive integer rows and cols')
+        out.append((m["name"], tuple(shape)))
+    return out
+
+
+MAX_MATRICES = 10**6  # beyond, the planner's tables outgrow a laptop's memory
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object from ``path``, or ValueError / OSError saying why not."""
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def plan_rows(shapes: Sequence[Tuple[str, Tuple[int, int]]], world_sizes: Sequence[int],
@@ -175,7 +262,7 @@ def cmd_plan(args) -> int:
         if args.summary:
             print("--mesh takes the shapes of --preset/--hf-config/--shapes, not --summary", file=sys.stderr)
             return 2
-        shapes = load_shapes(args.preset, args.hf_config, args.shapes)
+        shapes = _shapes_of(args)
         rows = mesh_table(shapes, args.mesh, cm, args.ns_steps)
         if args.json:
             json.dump(rows, sys.stdout, indent=1)
@@ -190,19 +277,24 @@ def cmd_plan(args) -> int:
     if args.summary:  # the run's own world and holdings first, then any --world-sizes by --layout
         from .engine.summary import Summary
 
-        run = Summary.load(args.summary)
+        with _about("--summary", args.summary, "give the JSON a run wrote with Muon.summary().save(PATH)"):
+            run = Summary.load(args.summary)
         shapes = [(m.key, m.shape) for m in run.matrices]
         rows = run.plan_rows(args.strategies, cm)
     else:
-        shapes = load_shapes(args.preset, args.hf_config, args.shapes)
+        shapes = _shapes_of(args)
         args.world_sizes = args.world_sizes or DEFAULT_WORLD_SIZES
+    if args.plot:
+        with _about("--plot", args.plot, "give a PNG path in an existing, writable folder"):
+            _writable_target(args.plot)
     rows += plan_rows(shapes, args.world_sizes or [], args.layout, args.strategies, args.ns_steps, cm,
                       transport=bool(args.exchange))
     if not rows:
         print("no Muon matrices to plan", file=sys.stderr)
         return 1
     if args.plot:
-        plot_rows(rows, args.plot)
+        with _about("--plot", args.plot, "give a PNG path in an existing, writable folder (and install matplotlib)"):
+            plot_rows(rows, args.plot)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
@@ -215,27 +307,64 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _shapes_of(args):
+    """The shapes of --preset / --hf-config / --shapes, any failure one line naming the flag."""
+    for flag, value, fix in (("--preset", args.preset, "give a preset name of configs/models/ or a shapes JSON path"),
+                             ("--hf-config", args.hf_config, "give a Hugging Face config.json"),
+                             ("--shapes", args.shapes, 'give a JSON {"matrices": [{"name": ..., "shape": [rows, cols]}]}')):
+        if value is not None:
+            with _about(flag, value, fix):
+                return load_shapes(args.preset, args.hf_config, args.shapes)
+    raise UsageError("give one of --preset, --hf-config, --shapes")
+
+
 def cmd_shapes(args) -> int:
-    shapes = load_shapes(hf_config=args.hf_config)
-    with open(args.hf_config) as f:
-        cfg = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    with _about("--hf-config", args.hf_config, "give a Hugging Face config.json"):
+        shapes = load_shapes(hf_config=args.hf_config)
+        cfg = {k: v for k, v in _read_json(args.hf_config).items() if not k.startswith("_")}
     lines = [json.dumps({"name": n, "shape": list(s)}) for n, s in shapes]
     print('{"source": ' + json.dumps(args.description or cfg) + ',\n "matrices": [\n  ' + ",\n  ".join(lines) + "\n]}")
     return 0
 
 
 def cmd_convert(args) -> int:
+    """Each argument checked (and each phase's failure named by its argument) before the next is used;
+    DST is checked before anything is read, so a bad one costs nothing."""
     from . import convert as cv
 
-    settings = cv._settings_from(args.set or []) or None
-    out = cv.convert(args.src, args.dst, cv.load_factory(args.model), to=args.to, source=args.source,
-                     settings=settings, config=args.config, fresh=args.fresh)
+    with _about("--set", " ".join(args.set or []), "give KEY=VALUE pairs of muon_param_groups / Muon settings"):
+        settings = cv._settings_from(args.set or []) or None
+    config = None
+    if args.config is not None:
+        with _about("--config", args.config, "give the DeepSpeed JSON file the run resumes with"):
+            config, settings = cv.resolve_config(args.config, settings)
+    with _about("SRC", args.src, "give a DeepSpeed checkpoint folder (ZeRO or universal), a DCP folder or a torch file"):
+        if not os.path.exists(args.src):
+            raise FileNotFoundError(2, "no such file or folder")
+    with _about("DST", args.dst, "give a path in an existing, writable folder"):
+        _writable_target(args.dst)
+    with _about("--model", None, "give MODULE:CALLABLE that builds the model on the CPU"):
+        model = cv.load_factory(args.model)
+    from .deepspeed import build_optimizer
+
+    flag = "--set" if args.set or args.config is None else "--config"
+    with _about(flag, " ".join(args.set or []) if flag == "--set" else args.config,
+                "give settings of muon_param_groups / Muon (lr=0.02 adam_lr=3e-4 ...; README.md lists them)"):
+        build_optimizer(model, dict({"log_summary": False}, **(settings or {})))  # the groups, before any read
+    with _about("SRC", args.src, f"give a checkpoint of --source {args.source} (docs/CHECKPOINTS.md lists them)"):
+        named = cv.read(args.src, args.source)
+    with _about("SRC", args.src, "give the checkpoint of the model --model builds, with the settings of its "
+                                 "groups in --set or --config (or --fresh)"):
+        muon = cv.build(model, named, settings, fresh=args.fresh)
+    with _about("DST", args.dst, "give a path in an existing, writable folder (and --config / --set of these "
+                                 "groups)"):
+        out = cv.write(args.to, model, muon, args.dst, config, settings)
     print(json.dumps({"converted": os.fspath(args.src), "to": args.to, "out": os.fspath(out)}))
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ds-muon", description="ds_muon tools")
+    ap = _Parser(prog="ds-muon", description="ds_muon tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="run the home planner on a model's shapes at given world sizes")
     src = p.add_mutually_exclusive_group(required=True)
@@ -292,8 +421,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, OSError) as e:  # a bad file or spec: the message, not a traceback
-        ap.exit(2, f"ds-muon {args.cmd}: error: {e}\n")
+    except (UsageError, ValueError, OSError) as e:  # a bad argument: one line naming it, not a traceback
+        ap.exit(2, f"ds-muon {args.cmd}: error: {_one_line(e)}\n")
+    except Exception as e:  # a fault of the tool itself: still one line; the traceback on request
+        if os.environ.get("DS_MUON_TRACEBACK"):
+            raise
+        ap.exit(2, f"ds-muon {args.cmd}: error: unexpected {_one_line(e)} (a bug in ds-muon? "
+                   "DS_MUON_TRACEBACK=1 shows the traceback)\n")
 
 
 if __name__ == "__main__":

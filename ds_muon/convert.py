@@ -74,7 +74,7 @@ def detect_format(src) -> str:
                 return detect_format(os.path.join(src, f.read().strip()))
     raise ValueError(f"ds_muon.convert: cannot tell what {src} is (a torch file, a DCP folder with .metadata, a "
                      "DeepSpeed checkpoint folder with *_optim_states.pt or a latest file, or a universal one with "
-                     "zero/); pass source=")
+                     "zero/); pass source= (ds-muon convert --source)")
 
 
 def _tag_folder(src: str) -> str:
@@ -402,14 +402,32 @@ def convert(src, dst: str, model: nn.Module, to: str = "universal", source: str 
     (DeepSpeed, any ZeRO stage and world size), ``"dcp"`` (FSDP2, any world size) or ``"torch"`` (one file)."""
     if to not in TARGETS:
         raise ValueError(f"ds_muon.convert: to={to!r} is unknown; use one of {list(TARGETS)}")
-    if config is not None and settings is None:
-        from .deepspeed import is_dsmuon_entry, load_config
+    config, settings = resolve_config(config, settings)
+    muon = build(model, read(src, source, param_names), settings, fresh=fresh)
+    return write(to, model, muon, dst, config, settings)
 
-        cfg = load_config(config)
-        settings = dict(cfg["optimizer"].get("params") or {}) if is_dsmuon_entry(cfg) else None
-        config = cfg
-    named = read(src, source, param_names)
-    muon = build(model, named, settings, fresh=fresh)
+
+def resolve_config(config, settings: Optional[Dict[str, Any]]):
+    """(the DeepSpeed config as a dict or None, the settings): a config's DsMuon params are the settings
+    unless ``settings`` are given."""
+    if config is None or settings is not None and not isinstance(config, (str, os.PathLike)):
+        return config, settings
+    from .deepspeed import is_dsmuon_entry, load_config
+
+    cfg = load_config(config)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"ds_muon.convert: the DeepSpeed config is a JSON {type(cfg).__name__}, not an object")
+    if settings is None:
+        params = cfg["optimizer"].get("params") if is_dsmuon_entry(cfg) else None
+        if params is not None and not isinstance(params, dict):
+            raise ValueError("ds_muon.convert: the DeepSpeed config's optimizer.params is not a JSON object")
+        settings = dict(params or {}) if is_dsmuon_entry(cfg) else None
+    return cfg, settings
+
+
+def write(to: str, model: nn.Module, muon: Muon, dst: str, config: Optional[dict] = None,
+          settings: Optional[Dict[str, Any]] = None) -> str:
+    """Write ``muon`` (and ``model``'s weights) as ``to`` at ``dst``; returns what was written."""
     if to == "torch":
         return write_torch(model, muon, dst)
     if to == "dcp":
@@ -420,21 +438,51 @@ def convert(src, dst: str, model: nn.Module, to: str = "universal", source: str 
 
 
 def load_factory(spec: str) -> nn.Module:
-    """``"package.module:callable"`` → ``callable()`` (the model to convert for, built on the CPU)."""
+    """``"package.module:callable"`` → ``callable()`` (the model to convert for, built on the CPU); every
+    way that can fail is a ValueError naming ``--model`` and what to give instead."""
     import importlib
 
-    if ":" not in spec:
+    mod, sep, fn = spec.partition(":")
+    if not sep or not mod or not fn:
         raise ValueError(f"--model {spec!r}: give MODULE:CALLABLE, e.g. examples.gpt:tiny_model")
-    mod, fn = spec.split(":", 1)
-    return getattr(importlib.import_module(mod), fn)()
+    try:
+        module = importlib.import_module(mod)
+    except Exception as e:  # ModuleNotFoundError, or the module's own import failing
+        raise ValueError(f"--model {spec!r}: cannot import {mod!r} ({_one_line(e)}); give a module importable "
+                         "here (on PYTHONPATH, run from the project's folder)") from None
+    target = module
+    for part in fn.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"--model {spec!r}: {mod} has no {fn!r}; give the name of a function or class in it "
+                             "that builds the model") from None
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"--model {spec!r}: {mod}.{fn} is a {type(target).__name__}, not callable; give a function "
+                         "or class that builds the model")
+    try:
+        model = target()
+    except Exception as e:
+        raise ValueError(f"--model {spec!r}: {mod}.{fn}() raised {_one_line(e)}; give a callable that builds the "
+                         "model with no arguments") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {spec!r}: {mod}.{fn}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def _settings_from(items: Iterable[str]) -> Dict[str, Any]:
+    """``--set KEY=VALUE ...`` → {KEY: VALUE} (VALUE read as JSON where it is, else as a string)."""
     import json
 
     out = {}
     for item in items:
-        k, _, v = item.partition("=")
+        k, sep, v = item.partition("=")
+        if not sep or not k.strip() or not k.isidentifier():
+            raise ValueError(f"--set {item!r}: give KEY=VALUE with KEY a setting name, e.g. lr=0.02")
         try:
             out[k] = json.loads(v)
         except ValueError:

@@ -41,17 +41,19 @@ from .engine.agreement import Agreement, LocalFailure, settings_of
 from .engine.compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .engine.exchange import Exchange
 from .engine.identity import next_ordinal
-from .engine.groups import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_keyword_booleans, check_loaded_groups,
-                     check_settings, dtype_name, fill_group_defaults, validate_group)
+from .engine.groups import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_edited_keys, check_given_keys,
+                            check_keyword_booleans, check_loaded_groups, check_settings, drop_filled_defaults, drop_old_defaults,
+                            dtype_name, fill_group_defaults, loaded_group, validate_group)
 from .engine.layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
 from .engine.offload import accelerator
 from .engine.overlap import OverlapSettings, Wave
 from .engine.pieces import WavePieces
 from .engine.planner import STRATEGIES, CostModel
-from .engine.row_moments import (KEY as NORMUON_V, RowMoments, agree_after_load, check_moments, fsdp1_moments,
+from .engine.row_moments import (KEY as NORMUON_V, RowMoments, agree_after_load, check_loaded_moments,
+                                 check_moments, fsdp1_moments,
                                  is_normuon, new_moment, restore_moments, split_moments)
 from .engine.state_check import check_loaded_state, check_state
-from .engine.summary import Summary, log_first_step, summarize
+from .engine.summary import Summary, log_first_step, summarize, summarize_planned
 from .engine.tag_keys import restore_tags
 from .engine.team import TeamGroups
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
@@ -280,7 +282,9 @@ class Muon(Optimizer):
         stored as a plain number as a float32 tensor."""
         for group in self.param_groups:
             fill_group_defaults(group, self.defaults, self.adam_betas, self.adam_eps)
-            group["ns_dtype"] = dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
+            drop_old_defaults(group, self.defaults)  # an older ds_muon filled Muon's defaults into AdamW groups
+            if "ns_dtype" in group:
+                group["ns_dtype"] = dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
@@ -304,15 +308,22 @@ class Muon(Optimizer):
 
     # -- groups ----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        """torch's, after refusing a key that would do nothing on the group's kind (``ns_steps`` on an AdamW
+        group, ``betas`` on a Muon group: :data:`~ds_muon.engine.groups.SCOPE`); the optimizer's defaults
+        are filled in only where they act."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
         if not param_group.get("use_muon", True):
             param_group.setdefault("betas", self.adam_betas)
             param_group.setdefault("eps", self.adam_eps)
-        given = set(param_group)
+        given = set(param_group)  # what the caller wrote; torch fills the defaults in next
+        check_given_keys(param_group, len(self.param_groups), given)  # a key that would do nothing here
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for k in TORCH_ADDED_DEFAULTS:  # in defaults after a load (torch's __setstate__), no setting of ours
             if k not in given:
                 group.pop(k, None)
+        drop_filled_defaults(group, given)  # Muon-only defaults stay out of AdamW groups
         validate_group(group, len(self.param_groups) - 1)
         if hasattr(self, "_resolved"):
             self.invalidate_layouts()
@@ -334,21 +345,12 @@ class Muon(Optimizer):
         if sig == self._binding_sig:
             return
         if sig not in self._resolved:
-            bindings: Dict[int, ParamBinding] = {}
+            bindings = self._bind_all()
             by_group: Dict[object, tuple] = {}
-            for gi, g in enumerate(self.param_groups):
-                if not g["use_muon"]:
-                    continue
-                tags = g.get("param_tags")
-                tags = tags if tags and len(tags) == len(g["params"]) else [None] * len(g["params"])
-                context = BindContext(self.process_group, self.model, g)
-                for pi, p in enumerate(g["params"]):
-                    restore_tags(p, tags[pi])  # a stack swapped the tensor muon_param_groups tagged
-                    b = self.adapter.bind(p, self._name(gi, pi), context)
-                    bindings[id(p)] = b
-                    # an empty matrix (a layer with 0 outputs or inputs) has nothing to orthogonalize
-                    by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend(
-                        (b, s) for s in b.matrices if math.prod(s.matrix_shape))
+            for b in bindings.values():
+                # an empty matrix (a layer with 0 outputs or inputs) has nothing to orthogonalize
+                by_group.setdefault(_group_key(b.group), (b.group, []))[1].extend(
+                    (b, s) for s in b.matrices if math.prod(s.matrix_shape))
             layouts = [build_layout(entries, group) for group, entries in by_group.values()]
             self._exchange_groups.add([lay.group for lay in layouts], self._whole_world(sig))
             self._resolved[sig] = (bindings, layouts)
@@ -356,6 +358,31 @@ class Muon(Optimizer):
         self._binding_sig = sig
         self._settled = set()
         self._state_key = None  # new bindings may need new state keys (AdamW slices)
+
+    def _bind_all(self) -> Dict[int, ParamBinding]:
+        """Each Muon tensor's binding, by id, in group order: where its matrices live, from this rank's
+        metadata alone (no collective; the layouts built from them are one)."""
+        bindings: Dict[int, ParamBinding] = {}
+        for gi, g in enumerate(self.param_groups):
+            if not g["use_muon"]:
+                continue
+            tags = g.get("param_tags")
+            tags = tags if tags and len(tags) == len(g["params"]) else [None] * len(g["params"])
+            context = BindContext(self.process_group, self.model, g)
+            for pi, p in enumerate(g["params"]):
+                restore_tags(p, tags[pi])  # a stack swapped the tensor muon_param_groups tagged
+                bindings[id(p)] = self.adapter.bind(p, self._name(gi, pi), context)
+        return bindings
+
+    def _local_bindings(self) -> Dict[int, ParamBinding]:
+        """The bindings of the current tensors with no collective: the bound ones, else bound now on this rank
+        alone (a stack that binds only inside ``step()``, DeepSpeed's ZeRO-3: none, the step checks then)."""
+        if self._binding_sig is not None and self._binding_sig == self._signature():
+            return self._bindings
+        try:
+            return self._bind_all()
+        except Exception:  # noqa: BLE001 - binding refused here: the step binds and checks (check_moments)
+            return {}
 
     def _signature(self) -> tuple:
         """What the bindings depend on: each Muon tensor, with its shape or a DTensor's spec."""
@@ -412,7 +439,8 @@ class Muon(Optimizer):
                 loss = closure()
         # a check that fails here on one rank only is carried to the agreement (LocalFailure), so
         # every rank raises, instead of the others waiting in its all_reduce
-        failed = LocalFailure.catch(lambda: [check_settings(g, gi) for gi, g in enumerate(self.param_groups)])
+        failed = LocalFailure.catch(lambda: [(check_settings(g, gi), check_edited_keys(g, gi, self.defaults))
+                                             for gi, g in enumerate(self.param_groups)])
         if self._not_carried:
             self._check_not_carried()
         self.flush()  # the previous step's updates still waiting for a forward
@@ -784,14 +812,27 @@ class Muon(Optimizer):
         (see :func:`~ds_muon.engine.row_moments.fsdp1_moments`: FSDP1's optimizer state dicts take every
         state tensor with a dimension for a shard of the flat parameter)."""
         self.flush()
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) not in held for p in self.state):
+            raise RuntimeError(
+                "ds_muon: Muon.state_dict(): the optimizer holds state of tensors its param_groups do not list now "
+                + ("(DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step()): save through DeepSpeed, "
+                   "engine.optimizer.state_dict() (what deepspeed.initialize returned as the optimizer; no collective) "
+                   "or engine.save_checkpoint(dir) on every rank" if self.adapter.applies_in_step else
+                   "(a tensor was removed from param_groups): drop its state (opt.state.pop(param)) first"))
         return fsdp1_moments(super().state_dict(), self.param_groups)
 
     def load_state_dict(self, state_dict) -> None:
         """torch's load, after checking that the saved groups match these (same
         algorithm, same tensor names) and hold valid settings; older ds_muon state dicts
         are brought up to date (see :meth:`_upgrade_groups`)."""
+        # keys that would do nothing on their group's kind: refused, or dropped when filled (an older ds_muon)
+        state_dict = {**state_dict, "param_groups": [loaded_group(g, gi, self.defaults)
+                                                     for gi, g in enumerate(state_dict["param_groups"])]}
         check_loaded_groups(self.param_groups, state_dict["param_groups"], self.defaults, self.adam_betas, self.adam_eps)
         check_loaded_state(self.param_groups, state_dict, self._name)
+        check_loaded_moments(self.param_groups, state_dict["param_groups"], state_dict["state"],
+                             self._local_bindings(), self._name, self.defaults)  # the step's check, now
         check_loaded = getattr(self.adapter, "check_loaded", None)  # the stack's own refusals (optional)
         if check_loaded is not None:
             check_loaded(self.param_groups, state_dict, self._name, self.model)
@@ -811,17 +852,17 @@ class Muon(Optimizer):
         (of the process groups it is in), so rank 0 prints the whole picture, with no collective
         once the tensors are bound (after the first step).
 
-        Before the first step of a multi-rank run, binding the tensors is a collective: pass
-        ``all_ranks=True`` and call it on every rank then.  Without it, this raises RuntimeError at
-        once on the calling rank (one rank alone in a collective would hang or abort the others)
-        (see :mod:`ds_muon.engine.summary`)."""
+        Any rank may call it alone at any time (``if rank == 0: print(opt.summary())``): before the
+        first step of a multi-rank run, placing every rank's pieces is a collective, so this rank
+        describes what its own metadata tells (tensors, matrices, scales) and says "planned at the first
+        step" for the homes and the per-rank costs.  ``all_ranks=True``, called on every rank, binds
+        now and gives the exact plan (see :mod:`ds_muon.engine.summary`)."""
         check_boolean(all_ranks, "all_ranks")
-        if not all_ranks and self._binding_is_collective():
-            raise RuntimeError(
-                "ds_muon: Muon.summary() before the first step binds the tensors, a collective every rank must "
-                "join: call opt.summary(all_ranks=True) on every rank (then print it on one), or call "
-                "summary() on any rank alone after the first step")
-        return summarize(self)
+        if all_ranks or not self._binding_is_collective():
+            return summarize(self)
+        if self.adapter.applies_in_step and self._resolved:  # DeepSpeed, after a step: each group it stepped
+            return summarize(self, sets=list(self._resolved.values()))
+        return summarize_planned(self, self._bind_all)
 
     def _binding_is_collective(self) -> bool:
         """Would binding the tensors now communicate (a multi-rank run whose current tensors are unbound)?"""

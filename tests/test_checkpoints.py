@@ -23,6 +23,15 @@ from ds_muon import deepspeed as ds_muon_deepspeed  # noqa: E402
 from test_deepspeed import ENV, PARAMS, batch, ds_config, full_fp32, make_model, train  # noqa: E402
 
 STAGES = (1, 2, 3)
+NEXT = 3  # steps after the load compared with the continuing W=2 run (at W=1; W=3 compares the first)
+# ZeRO-2 with gradient clipping (the shipped configs/deepspeed/zero2.json clips, with bf16 NS), and with fp32
+# NS: saved at W=2, loaded at W=1, NEXT steps compared bitwise (test_clipped_resume_is_bitwise_for_several_steps)
+CLIPPED = {"z2clip_bf16": "bfloat16", "z2clip_fp32": "float32"}
+
+
+def _clipped_config(ns_dtype):
+    # zero2.json's 1.0 does not bind on TinyLM (its gradient norm is below 1): 1e-3 clips every step
+    return ds_config(2, clip=1e-3, params=dict(PARAMS, ns_dtype=ns_dtype))
 KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
 
@@ -67,13 +76,17 @@ def _save_worker(rank, world, root):
     import deepspeed
 
     out = {}
-    for stage in STAGES:
-        engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=ds_config(stage))
+    for stage in list(STAGES) + list(CLIPPED):
+        cfg = ds_config(stage) if stage in STAGES else _clipped_config(CLIPPED[stage])
+        engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=cfg)
         train(engine, 2)
         engine.save_checkpoint(os.path.join(root, f"z{stage}"), tag="t2")
         saved = full_state(engine), full_fp32(engine)
-        train(engine, 1, start=2)
-        out[stage] = saved + (full_fp32(engine),)
+        nexts = []
+        for t in range(NEXT):
+            train(engine, 1, start=2 + t)
+            nexts.append(full_fp32(engine))
+        out[stage] = saved + (nexts,)
     model = make_model()
     cfg = ds_config(2)
     cfg["optimizer"] = {"type": "muon", "params": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0}}
@@ -125,19 +138,31 @@ def _refusals(root):
     return ds_error, unchanged, plain_error, plain_unchanged
 
 
+# universal checkpoints loaded at another ZeRO stage (saved at, loaded at), per load world size: DeepSpeed
+# names the model-states file per stage (ZeRO-3: zero_pp_rank_0_mp_rank_00_..., ZeRO-1/2: mp_rank_00_...),
+# and a universal load at another stage found none (an empty AssertionError) before ds_muon looked for both
+CROSS = {1: ((2, 3), (3, 1)), 3: ((2, 3),)}
+
+
 def _load_worker(rank, world, root):
-    """Any W: every universal checkpoint loaded into a fresh ds_muon engine at its stage; state and one step."""
+    """Any W: every universal checkpoint loaded into a fresh ds_muon engine at its stage (and, per CROSS, at
+    another stage); state and one step."""
     out = {}
-    for stage in STAGES:
-        torch.manual_seed(1000 + stage)  # a different init: everything must come from the checkpoint
-        cfg = dict(ds_config(stage), checkpoint={"load_universal": True})
+    moves = [(s, s) for s in STAGES] + list(CROSS.get(world, ())) + ([(c, c) for c in CLIPPED] if world == 1 else [])
+    for saved_at, stage in moves:
+        torch.manual_seed(1000 + (stage if stage in STAGES else 7))  # a different init: everything must come from the checkpoint
+        cfg = ds_config(stage) if stage in STAGES else _clipped_config(CLIPPED[stage])
+        cfg = dict(cfg, checkpoint={"load_universal": True})
         from test_deepspeed import TinyLM
 
         engine, _, _, _ = ds_muon_deepspeed.initialize(model=TinyLM(), config=cfg)
-        engine.load_checkpoint(os.path.join(root, f"z{stage}"), tag="t2_universal")
+        engine.load_checkpoint(os.path.join(root, f"z{saved_at}"), tag="t2_universal")
         loaded = full_state(engine), full_fp32(engine)
-        train(engine, 1, start=2)
-        out[stage] = loaded + (full_fp32(engine), engine.global_steps)
+        nexts = []
+        for t in range(NEXT if world == 1 else 1):
+            train(engine, 1, start=2 + t)
+            nexts.append(full_fp32(engine))
+        out[stage if saved_at == stage else (saved_at, stage)] = loaded + (nexts, engine.global_steps)
     if world == 1:
         out["from_dsmuon"] = _from_deepspeed_muon(root)
         out["other_world"] = _other_world_refused(root)
@@ -214,7 +239,7 @@ def universal(saved):
                               inject_missing_state=True)
     with pytest.raises(KeyError, match="exp_avg"):
         ds_to_universal.main(args)
-    for stage in STAGES:
+    for stage in list(STAGES) + list(CLIPPED):
         zero_to_universal(os.path.join(root, f"z{stage}", "t2"), os.path.join(root, f"z{stage}", "t2_universal"))
     zero_to_universal(os.path.join(root, "dsmuon", "t2"), os.path.join(root, "dsmuon", "t2_universal"))
     return root
@@ -227,26 +252,51 @@ def at_w1(universal):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_universal_resume_at_other_world_size(saved, universal, world, request):
+    """Each stage's checkpoint at its own stage and (CROSS) at another: ZeRO-2 -> 3 and 3 -> 1 at W=1,
+    2 -> 3 at W=3."""
     want = saved[1][0]
     results = (request.getfixturevalue("at_w1") if world == 1 else
                dist_harness.run(_load_worker, world, universal, timeout=300, env=ENV))
     for rank, got in enumerate(results):
-        for stage in STAGES:
-            state_w, fp32_w, next_w = want[stage]
+        for stage in list(STAGES) + list(CROSS[world]):
+            state_w, fp32_w, next_w = want[stage if stage in STAGES else stage[0]]
             state_g, fp32_g, next_g, steps = got[stage]
-            assert steps == 3
-            for name in state_w:
-                assert torch.equal(fp32_w[name], fp32_g[name]), f"W={world} z{stage} {name}: weights differ"
-                assert state_w[name].keys() == state_g[name].keys()
-                for key in state_w[name]:
-                    assert torch.equal(state_w[name][key], state_g[name][key]), \
-                        f"W={world} rank {rank} ZeRO-{stage}: {name} {key} differs after the universal load"
-                if world == 1:
-                    assert torch.equal(next_w[name], next_g[name]), f"W=1 z{stage} {name}: next step differs"
-                else:
-                    scale = next_w[name].abs().max().clamp_min(1e-30)
-                    err = (next_w[name] - next_g[name]).abs().max() / scale
-                    assert err <= 1e-6, f"W={world} z{stage} {name}: next step off by {err:.2e} of its largest value"
+            assert steps == 2 + len(next_g) and len(next_g) == (NEXT if world == 1 else 1)
+            _same_state(state_w, fp32_w, state_g, fp32_g, f"W={world} rank {rank} ZeRO-{stage}")
+            for t, (w_t, g_t) in enumerate(zip(next_w, next_g)):
+                for name in w_t:
+                    if world == 1:  # bitwise, every step
+                        assert torch.equal(w_t[name], g_t[name]), f"W=1 z{stage} {name}: step {t + 1} after differs"
+                    else:
+                        scale = w_t[name].abs().max().clamp_min(1e-30)
+                        err = (w_t[name] - g_t[name]).abs().max() / scale
+                        assert err <= 1e-6, f"W={world} z{stage} {name}: next step off by {err:.2e} of its largest value"
+
+
+def _same_state(state_w, fp32_w, state_g, fp32_g, where):
+    for name in state_w:
+        assert torch.equal(fp32_w[name], fp32_g[name]), f"{where} {name}: weights differ"
+        assert state_w[name].keys() == state_g[name].keys()
+        for key in state_w[name]:
+            assert torch.equal(state_w[name][key], state_g[name][key]), \
+                f"{where}: {name} {key} differs after the universal load"
+
+
+def test_clipped_resume_is_bitwise_for_several_steps(saved, at_w1):
+    """ZeRO-2 with gradient clipping that binds (1e-3: every step is clipped, which the saved weights show
+    against the unclipped run), bf16 NS (the shipped zero2.json's) and fp32 NS, saved at W=2 and resumed at
+    W=1: the state loads torch.equal and each of the NEXT steps is bitwise the continuing W=2 run's (same
+    batch on every rank; measured: no drift on this model, see docs/CHECKPOINTS.md for the conditions)."""
+    unclipped = saved[1][0][2][1]
+    for stage in CLIPPED:
+        state_w, fp32_w, next_w = saved[1][0][stage]
+        state_g, fp32_g, next_g, steps = at_w1[0][stage]
+        assert any(not torch.equal(fp32_w[n], unclipped[n]) for n in fp32_w), "the clipping did not bind"
+        _same_state(state_w, fp32_w, state_g, fp32_g, stage)
+        assert steps == 2 + NEXT and len(next_g) == NEXT
+        for t, (w_t, g_t) in enumerate(zip(next_w, next_g)):
+            for n in w_t:
+                assert torch.equal(w_t[n], g_t[n]), f"{stage} {n}: step {t + 1} after the resume differs"
 
 
 def test_mismatched_checkpoints_refused_on_every_rank_changing_nothing(saved):

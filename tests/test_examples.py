@@ -173,19 +173,22 @@ def test_accelerate_deepspeed(stage, tmp_path):
 
 
 # -- examples/hf_trainer.py: transformers.Trainer, DDP over 2 ranks ---------------------------------
-@pytest.mark.parametrize("stack", ["ddp", "zero3"])
+@pytest.mark.parametrize("stack", ["ddp", "fsdp2", "zero3"])
 def test_hf_trainer(stack, tmp_path):
-    """MuonTrainer under torchrun (no test harness: the Trainer starts the process group itself)."""
+    """MuonTrainer under torchrun (no test harness: the Trainer starts the process group itself); each of
+    docs/TRAINER.md's launch lines (tests/test_doc_snippets.py::DOC_COMMANDS)."""
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
-    extra = []
+    extra = ["--fsdp2"] if stack == "fsdp2" else []
     if stack == "zero3":
         pytest.importorskip("deepspeed")
         extra = ["--deepspeed", os.path.join(REPO, "configs", "deepspeed", "zero3.json")]
     s = _run(_torchrun("hf_trainer.py", "--steps", "20", "--seq-len", "32", "--output-dir", str(tmp_path), *extra))
     assert s["world"] == 2 and s["steps"] == 20
     # DDP: ranks average their gradients; ZeRO-3: the engine the Trainer built steps ds_muon
-    assert s["wrapped_in"] == ("DistributedDataParallel" if stack == "ddp" else "DeepSpeedEngine")
+    assert s["wrapped_in"] == {"ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine"}.get(stack, s["wrapped_in"])
+    if stack == "fsdp2":
+        assert s["wrapped_in"].startswith("FSDP"), s["wrapped_in"]
     _assert_learns(s["train_losses"], s["final_eval_loss"], s["initial_eval_loss"])
     assert s["muon_home_ranks"] == [0, 1]
     # GPT-2 Conv1D weights are stored [in, out]; the scale factor is that of [out, in]

@@ -6,6 +6,7 @@ buffer whose storage is replaced between steps gets new views, and the bulk (min
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -122,6 +123,7 @@ def _reference(ts):
 def test_bulk_extremes_equal_aminmax(monkeypatch, chunk):
     monkeypatch.setattr(extremes, "CHUNK_NUMEL", chunk)
     monkeypatch.setattr(extremes, "BULK_NUMEL", 30)  # the 6x6 and 1-D 50 go alone
+    monkeypatch.setattr(extremes, "CPU_BULK_NUMEL", 30)  # (the CPU's own bound)
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(3, 4, generator=g), torch.randn(6, 6, generator=g), torch.randn(5, generator=g),
           torch.randn(2, 3, generator=g).to(torch.bfloat16), torch.randn(50, generator=g),
@@ -138,3 +140,29 @@ def test_bulk_extremes_equal_aminmax(monkeypatch, chunk):
         assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
     ts[1] = ts[1] * -1  # new values in the same shapes: the kept plan copies them afresh
     assert torch.equal(ex(ts).nan_to_num(0.0), _reference(ts).nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_extremes_equal_aminmax_across_the_cpu_bound(seed):
+    """Seeded lists of 1-12 tensors whose sizes straddle ``CPU_BULK_NUMEL`` (some packed, some
+    alone), in float32 / bfloat16 / float16, some with NaN or ±inf: the same (min, max) as one
+    ``aminmax`` per tensor, planned and then reused."""
+    g = torch.Generator().manual_seed(seed)
+    bound = extremes.CPU_BULK_NUMEL
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    ts = []
+    for _ in range(int(torch.randint(1, 13, (1,), generator=g))):
+        n = int(torch.randint(1, 4 * bound, (1,), generator=g))
+        t = torch.randn(n, generator=g).to(dtypes[int(torch.randint(0, 3, (1,), generator=g))])
+        special = int(torch.randint(0, 4, (1,), generator=g))
+        if special:
+            t[int(torch.randint(0, n, (1,), generator=g))] = (float("nan"), float("inf"), -float("inf"))[special - 1]
+        ts.append(t)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in ts])
+    want = torch.stack([torch.stack(torch.aminmax(t)).to(dtype) for t in ts])
+    ex = extremes.Extremes()
+    for _ in range(2):
+        got = ex(ts)
+        assert got.dtype == want.dtype
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))

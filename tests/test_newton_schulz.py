@@ -277,3 +277,62 @@ def test_compile_trains_and_sharded_equals_single_process():
     for rank, mats in enumerate(dist_harness.run(_compile_worker, 2, timeout=240)):
         for i, (a, b) in enumerate(zip(mats, single)):
             assert torch.equal(a, b), f"rank {rank} matrix {i} {COMPILE_SHAPES[i]}"
+
+
+# -- results written into their destination (out=, max_chunk=) -----------------------------
+
+def _out_cases(n: int, seed: int = 11):
+    """Seeded draws: stack shape (tall, wide, square; 16-bit and fp32 inputs), NS dtype, method,
+    steps, chunk bound, and whether ``out`` is fresh or the input's own memory."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
+    for _ in range(n):
+        rows, cols = (int(x) for x in torch.randint(3, 72, (2,), generator=g))
+        yield dict(batch=int(torch.randint(1, 6, (1,), generator=g)), rows=rows, cols=cols,
+                   in_dtype=pick([torch.float32, torch.bfloat16]), dtype=pick([torch.bfloat16, torch.float32, torch.float16]),
+                   method=pick(["standard", "standard", "gram"]), steps=pick([1, 2, 5]),
+                   max_chunk=pick([None, 1, 2, 4]), alias=pick([False, True]))
+
+
+LARGE_TALL = [dict(batch=b, rows=r, cols=c, in_dtype=torch.float32, dtype=dt, method="standard", steps=st,
+                   max_chunk=mc, alias=al)
+              for (b, r, c), dt, st, mc, al in (((2, 300, 160), torch.bfloat16, 5, None, True),
+                                                ((3, 260, 140), torch.float32, 1, 1, False),
+                                                ((2, 200, 180), torch.float32, 5, 1, True),
+                                                ((3, 290, 150), torch.bfloat16, 2, 2, False))]
+
+
+@pytest.mark.parametrize("case", list(_out_cases(40)) + LARGE_TALL, ids=lambda c: "{batch}x{rows}x{cols}-{dtype}-{method}-"
+                         "{steps}-{max_chunk}-{alias}".format(**c).replace("torch.", ""))
+def test_out_and_max_chunk_change_no_bit(case):
+    """``newton_schulz(out=..., max_chunk=...)`` (what ChunkedNS runs: results straight into the
+    stack's own memory, written by the last product itself: large tall stacks through the
+    destination's transposed view) gives exactly the bits of the plain call, for tall, wide and
+    square stacks, every NS dtype and method (40 drawn, small; 4 large tall ones)."""
+    from ds_muon.rules.newton_schulz import compute_dtype
+
+    with dist_harness.one_thread():
+        G = torch.randn(case["batch"], case["rows"], case["cols"],
+                        generator=torch.Generator().manual_seed(case["rows"])).to(case["in_dtype"])
+        args = (case["steps"], "keller", case["dtype"], 1e-7, case["method"])
+        want = ds_muon.newton_schulz(G.clone(), *args)
+        rdt = compute_dtype(case["method"], case["dtype"])
+        alias = case["alias"] and rdt.itemsize <= G.element_size()
+        if alias:  # the result over the input's own bytes, as ChunkedNS runs it
+            mine = G.clone()
+            out = mine.view(-1).view(torch.uint8)[:mine.numel() * rdt.itemsize].view(rdt).view(G.shape)
+        else:
+            mine, out = G.clone(), torch.empty(G.shape, dtype=rdt)
+        got = ds_muon.newton_schulz(mine, *args, out=out, max_chunk=case["max_chunk"])
+        assert got is out and got.dtype == want.dtype
+        assert torch.equal(got, want.contiguous())
+        if not alias:
+            assert torch.equal(mine, G)  # the input is only read
+
+
+def test_out_that_cannot_hold_the_result_is_refused():
+    G = torch.randn(2, 8, 12)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.bfloat16"):
+        ds_muon.newton_schulz(G, out=torch.empty(2, 8, 12))  # fp32, the result is bf16
+    with pytest.raises(ValueError, match="not contiguous"):
+        ds_muon.newton_schulz(G, out=torch.empty(2, 12, 8, dtype=torch.bfloat16).mT)

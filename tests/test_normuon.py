@@ -274,14 +274,19 @@ def test_bad_settings_name_group_and_key(key, value, match):
 
 
 def test_moment_of_another_model_refused_before_any_write():
-    """A loaded v of the wrong length (another model's) raises at the step naming the tensor and
-    the key, with every tensor unchanged; a non-1-D one is refused at load."""
+    """A loaded v of the wrong length (another model's) is refused at load, naming the tensor and the key,
+    with the state unchanged (issue 33: what the step would refuse); set into the state directly it raises
+    at the step with every tensor unchanged; a non-1-D one is refused at load."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=True))
     opt = _train(model, _grads(model, 1), 1, variant="normuon")
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][0][KEY] = torch.zeros(5)
-    opt.load_state_dict(sd)
+    kept = opt.state[model[0].weight][KEY].clone()
+    with pytest.raises(ValueError, match=r"0\.weight.*'normuon_v'.*shape \(6,\).*nothing was loaded"):
+        opt.load_state_dict(sd)
+    assert torch.equal(opt.state[model[0].weight][KEY], kept)
+    opt.state[model[0].weight][KEY] = torch.zeros(5)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     before = [p.detach().clone() for p in model.parameters()]

@@ -177,3 +177,24 @@ def check_kernels_agreed(results):
         assert out["after"][0] is None  # steps: the ranks run the same kernels
     assert results[0]["calibrated"] == results[1]["calibrated"]
     assert torch.equal(results[0]["after"][1][0], results[1]["after"][1][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tall_last_step_into_transposed_view_keeps_the_bits(dtype):
+    """``apply`` into a transposed view of a tall destination (``writes_tall``: the last NS step of a
+    large tall stack, no transposing copy after) gives the bits of the contiguous product transposed,
+    on 12 drawn large shapes (contiguous and transposed inputs, as step 1 reads)."""
+    g = torch.Generator().manual_seed(5)
+    with dist_harness.one_thread():
+        for k in range(12):
+            m = int(torch.randint(130, 260, (1,), generator=g))
+            n = m + int(torch.randint(0, 300, (1,), generator=g))
+            assert ns_kernels.writes_tall(m, n)
+            X = (torch.randn(2, n, m, generator=g) / (m * n) ** 0.5).to(dtype).mT if k % 2 else \
+                (torch.randn(2, m, n, generator=g) / (m * n) ** 0.5).to(dtype)
+            A = torch.bmm(X, X.mT)
+            B = torch.baddbmm(A, A, A, beta=-4.775, alpha=2.0315)
+            want = ns_kernels.apply(X, B, 3.4445, torch.empty(2, m, n, dtype=dtype), "batched").mT
+            dest = torch.empty(2, n, m, dtype=dtype)
+            ns_kernels.apply(X, B, 3.4445, dest.mT, "batched")
+            assert torch.equal(dest, want), (m, n)

@@ -234,11 +234,8 @@ def _fsdp2_worker(rank, world):
     fully_shard(model, mesh=mesh)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=LR), ns_dtype=torch.float32)
     alone = None
-    if rank == 0:  # one rank alone before the first step: refused at once, no collective joined (issue 25)
-        try:
-            opt.summary()
-        except RuntimeError as e:
-            alone = str(e)
+    if rank == 0:  # one rank alone before the first step: what it knows, no collective joined (issue 33)
+        alone = str(opt.summary())
     before = opt.summary(all_ranks=True)  # collective: binds on every rank
     _train(model, opt)
     after = opt.summary()
@@ -259,7 +256,10 @@ def test_fsdp2_homes_and_bytes_are_the_exchanges(world):
     """FSDP2: home ranks are the exchanges', every rank's bytes are what that rank's exchanges move;
     at W=2 the same processes also check FSDP1 (:func:`_check_fsdp1`)."""
     out = dist_harness.run(_fsdp2_worker, world, timeout=240)
-    assert "summary(all_ranks=True) on every rank" in out[0]["alone"]
+    assert "planned at the first step" in out[0]["alone"] and "summary(all_ranks=True) called on every rank" in \
+        out[0]["alone"]
+    planned = {m["key"]: m["shape"] for t in out[0]["before"]["tensors"] for m in t["matrices"]}
+    assert all(f"{r} x {c}" in out[0]["alone"] for r, c in planned.values())  # its matrices, from metadata alone
     for rank, r in enumerate(out):
         assert r["after"]["tensors"] == r["before"]["tensors"] and r["after"]["ranks"] == r["before"]["ranks"]
         assert {m["key"]: m["homes"] for t in r["after"]["tensors"] for m in t["matrices"]} == r["homes"]

@@ -24,7 +24,8 @@ from models import HandAdapter
 SHAPES = [(48, 200), (12, 16), (120, 24), (16, 24), (8, 3, 3), (20, 20)]
 # NS dominates and moving bytes is free: the planner teams the large matrices at every W >= 2
 FORCE = CostModel(flops_per_s=1e9, bytes_per_s=1e15, intra_bytes_per_s=1e15, allreduce_hop_s=0.0)
-# relative Frobenius error bounds (measured: docs/PERFORMANCE.md, "Team NS accuracy")
+# relative Frobenius team-vs-one-home bounds on these (Gaussian) matrices (measured: docs/PERFORMANCE.md,
+# "Team NS"); on rank-deficient or ill-conditioned ones only the 3x-one-home bound holds (test below)
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
 
 
@@ -247,3 +248,58 @@ def test_team_ns_setting_is_checked_carried_and_in_the_plan_table():
     rows = {r["strategy"]: r for r in costs.compare(tasks, 4, CostModel.for_device("cpu"), ["auto", "team"])}
     assert rows["team"]["teams"] == 1 and rows["team"]["max_team"] >= 2 and rows["team"]["vs_auto"] > 1
     assert rows["team"]["modelled_step_ms"] < rows["auto"]["modelled_step_ms"]
+
+
+# -- the bound over generated matrices: Gaussian, rank-deficient, ill-conditioned, any scale ------
+def _generated(seed, m, n, kind, scale):
+    G = torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if kind != "gauss":
+        U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+        if kind == "lowrank":
+            S = torch.where(torch.arange(len(S)) < max(1, len(S) // 4), S, torch.zeros_like(S))
+        else:  # ill-conditioned: singular values 1 ... 1e-6
+            S = torch.logspace(0, -6, len(S), dtype=torch.float64)
+        G = (U * S) @ Vh
+    return (G * scale).float()
+
+
+def _generated_worker(rank, world, cases):
+    from ds_muon.engine.compile import NSSettings
+    from ds_muon.engine.team import team_newton_schulz
+
+    out = []
+    for seed, m, n, kind, scale, dtype in cases:
+        G = _generated(seed, m, n, kind, scale)
+        tall = m > n
+        c0, c1 = team_bounds(m, n, world)[rank]
+        block = (G[c0:c1] if tall else G[:, c0:c1]).contiguous()
+        mine = team_newton_schulz(block, tall, NSSettings(5, "keller", dtype, 1e-7, "standard"), None)
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, mine.float())
+        out.append(torch.cat(parts, 0 if tall else 1))
+    return out
+
+
+def test_team_error_is_within_three_times_one_home_on_generated_matrices():
+    """The bound that holds (docs/ADVANCED.md, "Team NS"): a team's error against float64 NS is at
+    most 3× the one-home error (measured ≤ 2.65×, on thin matrices with a side of 2–4; ≤ 1.55× on others) on
+    Gaussian, rank-deficient and ill-conditioned matrices at scales 1e-30…1e30.  The distance
+    team ↔ one home is *not* small on rank-deficient or ill-conditioned matrices in bf16
+    (0.1–0.37): there bf16 NS itself is 0.2–1.6 from float64 (bf16 rounding fills the null space,
+    and NS lifts those singular values towards one), one home and team alike."""
+    rng = random.Random(3)
+    cases = []
+    for i in range(28):
+        m, n = rng.randint(2, 56), rng.randint(2, 56)
+        cases.append((i, m, n, ["gauss", "lowrank", "illcond"][i % 3], rng.uniform(1, 10) * 10.0 ** rng.randint(-30, 30),
+                      torch.bfloat16 if i % 4 else torch.float32))
+    results = dist_harness.run(_generated_worker, 2, cases)[0]
+    far = 0
+    for (seed, m, n, kind, scale, dtype), team in zip(cases, results):
+        G = _generated(seed, m, n, kind, scale)
+        exact = ds_muon.newton_schulz(G.double(), dtype=torch.float64)
+        home = ds_muon.newton_schulz(G, dtype=dtype)
+        e_home, e_team = _rel(home.double(), exact), _rel(team.double(), exact)
+        assert torch.isfinite(team).all() and e_team <= 3 * e_home + 1e-7, (kind, m, n, scale, dtype, e_team, e_home)
+        far += _rel(team.double(), home.double()) > BOUND[dtype]
+    assert far, "the old bound (team within BOUND of one home on every matrix) held here: re-measure the docs"

@@ -13,7 +13,8 @@ over torch's peak affords):
   at most that many bytes of matrices, and each wave runs whole (inputs, NS, apply) before the
   next one starts;
 * :class:`ChunkedNS`: a stack's NS runs in chunks whose workspace stays within it, each
-  chunk's result written back into the stack's own memory (NS is done reading it).
+  chunk's result written straight into the stack's own memory (NS is done reading it) by the
+  last product itself where the matrices are wide (``newton_schulz(out=...)``).
 
 Either way each matrix goes through the same NS call on the same inputs (NS treats every
 matrix of a batch on its own), so results stay bitwise those of one whole batch.
@@ -71,17 +72,14 @@ class ChunkedNS:
         return max(1, self.budget // per)
 
     def run(self, stack: torch.Tensor) -> torch.Tensor:
-        chunk = self.chunk(stack)
         out_dtype = self.ns.dtype
-        if chunk >= len(stack) or not stack.is_contiguous() or out_dtype.itemsize > stack.element_size():
-            return self.ns.run(stack)  # one chunk; or results wider than the stack: no room in it
+        if not stack.is_contiguous() or out_dtype.itemsize > stack.element_size():
+            return self.ns.run(stack, max_chunk=self.chunk(stack))  # results wider than the stack: no room in it
         out = stack if out_dtype == stack.dtype else \
             stack.view(-1).view(torch.uint8)[:stack.numel() * out_dtype.itemsize].view(out_dtype).view(stack.shape)
-        for k0 in range(0, len(stack), chunk):
-            k1 = min(k0 + chunk, len(stack))
-            # a chunk's results land on bytes of matrices before k1 only, all read already
-            out[k0:k1].copy_(self.ns.run(stack[k0:k1]))
-        return out
+        # each chunk's results land on bytes of matrices before its end only, all read already; the
+        # last product writes them there itself (wide matrices), so nothing is copied back
+        return self.ns.run(stack, out=out, max_chunk=self.chunk(stack))
 
     def __repr__(self) -> str:
         return f"ChunkedNS({self.ns!r}, budget={self.budget})"

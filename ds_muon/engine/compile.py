@@ -40,9 +40,20 @@ class NSSettings(NamedTuple):
     method: str
     compile: bool = False  # run NS under torch.compile (not guaranteed bitwise equal to eager)
 
-    def run(self, stack: torch.Tensor) -> torch.Tensor:
-        ns = compiled_newton_schulz() if self.compile else newton_schulz
-        return ns(stack, *self[:5]).contiguous()
+    def run(self, stack: torch.Tensor, out: Optional[torch.Tensor] = None,
+            max_chunk: Optional[int] = None) -> torch.Tensor:
+        """NS on ``stack``, the result contiguous: in ``out`` where given (which may be the stack's own
+        memory: :class:`~ds_muon.engine.budget.ChunkedNS`), ``max_chunk`` matrices at most per pass."""
+        if not self.compile:
+            return newton_schulz(stack, *self[:5], out=out, max_chunk=max_chunk)
+        ns = compiled_newton_schulz()
+        chunk = len(stack) if max_chunk is None else max(1, max_chunk)
+        if chunk >= len(stack) and out is None:
+            return ns(stack, *self[:5]).contiguous()
+        out = torch.empty(stack.shape, dtype=self.dtype, device=stack.device) if out is None else out
+        for k0 in range(0, len(stack), chunk):  # each chunk read before its results land (see ChunkedNS)
+            out[k0:k0 + chunk].copy_(ns(stack[k0:k0 + chunk], *self[:5]))
+        return out
 
 
 def _ns_fields(group: dict) -> tuple:

@@ -52,13 +52,119 @@ TORCH_ADDED_DEFAULTS = ("differentiable",)
 
 def fill_group_defaults(group: dict, defaults: dict, adam_betas, adam_eps) -> None:
     """Keys a group from an older ds_muon lacks: AdamW's ``betas``/``eps`` from the
-    optimizer's ``adam_betas``/``adam_eps``, everything else from ``defaults``."""
-    if not group.setdefault("use_muon", True):
+    optimizer's ``adam_betas``/``adam_eps``, everything else that acts on the group's kind
+    from ``defaults`` (a Muon-only default is not filled into an AdamW group: see :data:`SCOPE`)."""
+    muon = group.setdefault("use_muon", True)
+    if not muon:
         group.setdefault("betas", tuple(adam_betas))
         group.setdefault("eps", adam_eps)
     for k, v in defaults.items():
-        if k not in TORCH_ADDED_DEFAULTS:
+        if k not in TORCH_ADDED_DEFAULTS and acts_on(k, muon):
             group.setdefault(k, v)
+
+
+# -- where each group key acts ------------------------------------------------------------------
+# A group key acts on Muon groups (use_muon=True), on AdamW groups (use_muon=False), or on both;
+# one given on a group of the other kind would do nothing, so it is refused (naming where it acts).
+# Keys not listed (lr, weight_decay, weight_decay_mode, eps, foreach, use_muon, params and the
+# param_* records, and anything torch or a scheduler adds: initial_lr, ...) are not checked.
+MUON_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_method", "ns_dtype", "scale_mode",
+             "extra_scale_factor", "variant", "normuon_beta2", "compile",
+             "adam_lr", "adam_betas", "adam_eps", "adam_weight_decay",  # the AdamW slices of FSDP1 mixed flat shards
+             "head_names", "routers")  # how an FSDP1 flat shard of the group is bound
+ADAMW_KEYS = ("betas",)
+SCOPE: Dict[str, bool] = {**{k: True for k in MUON_KEYS}, **{k: False for k in ADAMW_KEYS}}  # key -> use_muon it needs
+_OTHER_SPELLING = {  # (key, on a group of use_muon=...) -> the key that does it there
+    ("momentum", False): "betas", ("adam_betas", False): "betas", ("adam_lr", False): "lr",
+    ("adam_eps", False): "eps", ("adam_weight_decay", False): "weight_decay",
+    ("betas", True): "momentum (or adam_betas for the AdamW slices of FSDP1 mixed flat shards)",
+}
+
+
+def acts_on(key: str, use_muon: bool) -> bool:
+    """Does group key ``key`` act on a group with this ``use_muon``?"""
+    return SCOPE.get(key, use_muon) == bool(use_muon)
+
+
+def _kind(use_muon: bool) -> str:
+    return "Muon groups (use_muon=True)" if use_muon else "AdamW groups (use_muon=False)"
+
+
+def no_effect(group: dict, gi: int, key: str, how: str = "given") -> str:
+    """The refusal of ``key`` on a group where it does nothing."""
+    muon = bool(group.get("use_muon", True))
+    other = _OTHER_SPELLING.get((key, muon))
+    fix = f"on this group use {other} instead" if other else f"remove it, or put it on a {'AdamW' if muon else 'Muon'} group"
+    return (f"param_groups[{gi}] ({'Muon' if muon else 'AdamW'}, use_muon={muon}): {key}={group[key]!r} is {how} but "
+            f"acts only on {_kind(not muon)}; here it would do nothing: {fix} (Muon(...) keywords are defaults "
+            "for the groups where they act)")
+
+
+def check_given_keys(group: dict, gi: int, given) -> None:
+    """ValueError when a key ``given`` on the group (not a filled default) does nothing on its kind."""
+    muon = group.get("use_muon", True)
+    if not isinstance(muon, bool):
+        return  # refused by check_settings, naming use_muon
+    for key in given:
+        if not acts_on(key, muon):
+            raise ValueError(no_effect(group, gi, key))
+
+
+def drop_filled_defaults(group: dict, given) -> None:
+    """Remove defaults torch's ``add_param_group`` filled in that do nothing on this group's kind."""
+    muon = bool(group.get("use_muon", True))
+    for key in [k for k in group if k not in given and not acts_on(k, muon)]:
+        del group[key]
+
+
+def check_edited_keys(group: dict, gi: int, defaults: dict) -> None:
+    """At every step: a key edited into ``param_groups`` where it does nothing (a value other than the
+    optimizer's default for it: an equal one changes nothing and is left alone)."""
+    muon = group["use_muon"]
+    for key in group:
+        if not acts_on(key, muon) and not (key in defaults and _same(group[key], defaults[key])):
+            raise ValueError(no_effect(group, gi, key, "set"))
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an odd value: not the default
+        return False
+
+
+def _old_format(group: dict, defaults: dict) -> bool:
+    """A group of an older ds_muon, which filled every default into every group?"""
+    filled = [k for k in defaults if not acts_on(k, bool(group.get("use_muon", True)))]
+    return bool(filled) and all(k in group for k in filled)
+
+
+def drop_old_defaults(group: dict, defaults: dict) -> None:
+    """In place (a pickle of an older ds_muon): the defaults it filled where they do nothing."""
+    if _old_format(group, defaults):
+        for key in [k for k in defaults if k in group and not acts_on(k, bool(group["use_muon"]))]:
+            del group[key]
+
+
+def loaded_group(saved: dict, gi: int, defaults: dict) -> dict:
+    """A saved group with the keys that do nothing on its kind refused or dropped, before anything is
+    assigned.  A state dict of this ds_muon holds only keys that act; one of an older ds_muon holds every
+    default in every group (all of them filled, so none was given: dropped).  Otherwise a key equal to the
+    default is dropped (it changes nothing) and any other is refused, as at construction."""
+    muon = bool(saved.get("use_muon", True))
+    foreign = [k for k in saved if not acts_on(k, muon)]
+    if not foreign:
+        return saved
+    old_format = _old_format(saved, defaults)
+    out = dict(saved)
+    for key in foreign:
+        if not old_format or key not in defaults:
+            if not (key in defaults and _same(saved[key], defaults[key])):
+                raise ValueError("ds_muon: loaded " + no_effect(saved, gi, key, "saved") + "; nothing was loaded")
+        del out[key]
+    return out
 
 
 def validate_group(group: dict, gi: int) -> None:

@@ -77,13 +77,38 @@ def check_moments(groups: List[dict], state: Mapping, bindings: Mapping[int, Par
             v, b = state.get(p, {}).get(KEY), bindings.get(id(p))
             if v is None or b is None:
                 continue
-            want = moment_length(b)
-            if v.dim() != 1 or v.numel() != want or v.dtype != torch.float32:
-                raise ValueError(
-                    f"ds_muon: {name(gi, pi)}: its NorMuon second moment {KEY!r} is {v.dtype} of shape "
-                    f"{tuple(v.shape)} but its matrices need float32 of shape ({want},) (one per output neuron); "
-                    "nothing was changed. The state comes from another model or tensor order: load the state "
-                    f"of this model, or drop the key (opt.state[param].pop({KEY!r})) to restart the moment at zero")
+            if v.dim() != 1 or v.numel() != moment_length(b) or v.dtype != torch.float32:
+                raise ValueError(moment_refusal(name(gi, pi), v, b, "nothing was changed"))
+
+
+def moment_refusal(who: str, v, binding: ParamBinding, what: str) -> str:
+    """The refusal of a ``v`` that does not fit ``binding``'s matrices (the step's and the load's)."""
+    dtype, shape = (v.dtype, tuple(v.shape)) if torch.is_tensor(v) else (type(v).__name__, (len(v),))
+    return (f"ds_muon: {who}: its NorMuon second moment {KEY!r} is {dtype} of shape {shape} but its matrices need "
+            f"float32 of shape ({moment_length(binding)},) (one per output neuron); {what}. The state comes from "
+            "another model, tensor order, ZeRO stage or grouping: load the state of this model and layout "
+            f"(ds_muon.convert / `ds-muon convert` moves it by tensor name), or drop the key "
+            f"(opt.state[param].pop({KEY!r})) to restart the moment at zero")
+
+
+def check_loaded_moments(groups: List[dict], saved_groups: List[dict], saved_state: Mapping,
+                         bindings: Mapping[int, ParamBinding], name, defaults: Mapping) -> None:
+    """At load, before anything is assigned: the step's :func:`check_moments` on the saved ``v`` of each
+    tensor (matched in order, as torch's load matches them) whose saved group runs NorMuon.  The load casts
+    ``v`` to float32, so only its length can be wrong here (its rank and dtype kind: state_check)."""
+    if len(saved_groups) != len(groups):
+        return  # torch's own check names this
+    for gi, (g, saved) in enumerate(zip(groups, saved_groups)):
+        if not (g["use_muon"] and saved.get("variant", defaults.get("variant", "muon")) == "normuon"):
+            continue
+        for pi, (p, sid) in enumerate(zip(g["params"], saved["params"])):
+            st, b = saved_state.get(sid), bindings.get(id(p))
+            v = st.get(KEY) if isinstance(st, Mapping) else None
+            if v is None or b is None:
+                continue
+            n = v.numel() if torch.is_tensor(v) else len(v)
+            if n != moment_length(b):
+                raise ValueError(moment_refusal(name(gi, pi), v, b, "nothing was loaded"))
 
 
 class Shared:

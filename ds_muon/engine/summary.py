@@ -199,7 +199,7 @@ class Summary:
                 table.extend(("", "", "", "", *_matrix_cells(m, t.name)) for m in t.matrices)
         ranks = [("rank", "NS matrices", "NS GFLOP", "sent", "received")]
         ranks += [(str(r.rank), str(r.matrices), f"{r.ns_flops / 1e9:.4g}", _bytes(r.bytes_sent),
-                   _bytes(r.bytes_received)) for r in self.ranks]
+                   _bytes(r.bytes_received)) for r in self.ranks] or [("all", PLANNED, "", "", "")]
         out = [head, _format(table), "", "per rank, per step:", _format(ranks)]
         if self.qk_clip is not None:
             out += ["", _qk_clip_lines(self.qk_clip)]
@@ -219,6 +219,8 @@ def _matrix_cells(m: MatrixRow, name: str) -> Tuple[str, str, str, str]:
     key = m.key[len(name):] if m.key.startswith(name) and m.key != name else m.key
     # several homes: mode="duplicated" (every rank) or planner="auto"'s extra homes (some ranks)
     homes = ",".join(map(str, m.homes)) if len(m.homes) <= 4 else f"{len(m.homes)} ranks"
+    if not m.homes:
+        homes = PLANNED  # summarize_planned: one rank alone before the first step
     if m.team:
         homes = f"team of {m.team}: {homes}"
     return (key if key != name else "", f"{m.shape[0]} x {m.shape[1]}", f"{m.scale:.4g}", homes)
@@ -302,16 +304,17 @@ def _groups_of(groups: List[dict], bindings) -> Dict[int, dict]:
     return out
 
 
-def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
+def summarize(opt, groups: Optional[List[dict]] = None, sets: Optional[List[tuple]] = None) -> Summary:
     """:meth:`ds_muon.Muon.summary` (see the module docstring).  ``groups``: the param groups to
-    describe (default ``opt.param_groups``; DeepSpeed narrows those to one group per ``step()`` call)."""
+    describe (default ``opt.param_groups``; DeepSpeed narrows those to one group per ``step()`` call);
+    ``sets``: the ``(bindings, layouts)`` to describe (default: bound now, see :func:`_bound_sets`)."""
     groups = opt.param_groups if groups is None else groups
     by_key: Dict[str, MatrixRow] = {}
     flops, homed = defaultdict(float), defaultdict(int)
     sent, received = defaultdict(int), defaultdict(int)
     bindings: Dict[int, object] = {}
     domains = 0
-    sets = _bound_sets(opt)
+    sets = _bound_sets(opt) if sets is None else sets
     for bound, layouts in sets:
         bindings.update(bound)
         group_of = _groups_of(groups, bound)
@@ -360,12 +363,58 @@ def summarize(opt, groups: Optional[List[dict]] = None) -> Summary:
         notes.append(f"Some matrices live in process groups smaller than the world (expert domains): rank "
                      f"columns count the domains rank {_this_rank()} belongs to; other domains' work is in their "
                      "ranks' own summary().")
-    if any(g["use_muon"] and g.get("param_names") and not g["params"] for g in groups) and not by_key:
-        notes.append("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
-                     "bytes are known after the first step.")
+    if _zero3_before_step(groups, by_key):
+        notes.append(ZERO3_NOTE)
     clip = getattr(opt, "qk_clip", None)  # ds_muon.QKClip: what it did at the last step
     return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves, max(1, domains),
                    notes, dataclasses.asdict(opt.planning_cost_model()), clip.report() if clip is not None else None)
+
+
+ZERO3_NOTE = ("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
+              "bytes are known after the first step.")
+PLANNED = "planned at the first step"
+
+
+def _zero3_before_step(groups: List[dict], by_key) -> bool:
+    return any(g["use_muon"] and g.get("param_names") and not g["params"] for g in groups) and not by_key
+
+
+def summarize_planned(opt, bind) -> Summary:
+    """The summary one rank can give alone before the first step of a multi-rank run: placing every rank's
+    pieces (the layouts, and so the homes and each rank's costs) is a collective, but each tensor's matrices,
+    shapes, scale factors and NS cost follow from this rank's own metadata (``bind()``: the optimizer's
+    local binding).  Homes and the per-rank table read "planned at the first step"."""
+    groups = opt.param_groups
+    try:
+        bindings = bind()
+    except Exception as e:  # noqa: BLE001 - a stack that binds only inside step(): rows without matrices
+        bindings, failed = {}, f"{type(e).__name__}: {e}"
+    else:
+        failed = None
+    by_key: Dict[str, MatrixRow] = {}
+    for g in groups:
+        if not g["use_muon"]:
+            continue
+        ns = ns_settings(g)
+        for p in g["params"]:
+            b = bindings.get(id(p))
+            for s in (b.matrices if b is not None else ()):
+                rows, cols = s.matrix_shape
+                if rows * cols:
+                    by_key[s.key] = MatrixRow(s.key, (rows, cols), update_scale(g, (rows, cols), s.transposed), (),
+                                              ns_flops(rows, cols, ns.steps, ns.method), (), 0, ns.steps, ns.method, 0)
+    notes = [f"Before the first step, on rank {_this_rank()} alone: homes, team NS and the per-rank NS FLOPs and "
+             f"bytes are {PLANNED} (placing every rank's pieces is a collective). summary() after the first "
+             "step, or summary(all_ranks=True) called on every rank now, gives the exact plan."]
+    if failed:
+        notes.append(f"The tensors bind only inside step() on this stack ({failed[:200]}): matrices are "
+                     f"{PLANNED} too.")
+    if _zero3_before_step(groups, by_key):
+        notes.append(ZERO3_NOTE)
+    clip = getattr(opt, "qk_clip", None)
+    return Summary(_tensor_rows(opt, groups, bindings, by_key), [], _world(), _this_rank(), opt.mode, opt.planner,
+                   opt.waves, 1, notes, dataclasses.asdict(opt.planning_cost_model()),
+                   clip.report() if clip is not None else None)
 
 
 def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]:
@@ -390,8 +439,8 @@ def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]
                 rows.append(TensorRow(names[k], gi, algo, why, shapes.get(names[k], ()), mats))
                 continue
             p, mats = g["params"][k], ()
-            if g["use_muon"]:
-                b = bindings[id(p)]
+            b = bindings.get(id(p)) if g["use_muon"] else None
+            if b is not None:
                 mats = tuple(by_key[s.key] for s in b.matrices if s.key in by_key)
                 algo = "Muon+AdamW" if _mixed(p, b) else "Muon"
             name = names[k] if names else f"param_groups[{gi}]['params'][{k}]"

@@ -89,7 +89,8 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
     src = os.path.join(load_dir, tag)
     ours = _shape_lists(engine._get_zero_param_shapes())
     if universal:
-        return check_universal(src, muon, ours, load_module_only or not load_optimizer_states)
+        return check_universal(src, muon, ours, load_module_only or not load_optimizer_states,
+                               bool(engine.zero_optimization_partition_weights()))
     path = _model_state_file(engine, load_dir, tag)
     if path is None:
         return  # DeepSpeed names the missing file
@@ -105,7 +106,14 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
                      "after loading the module weights)")
 
 
-def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights_only: bool = False) -> None:
+def universal_version(src: str):
+    """The ``ds_version`` in a universal checkpoint's ``zero/optimizer_state.pt`` (None where it has none)."""
+    sd = torch.load(os.path.join(src, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    return sd.get("ds_version")
+
+
+def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights_only: bool = False,
+                    zero3: bool = True) -> None:
     """A universal checkpoint holds every tensor of the engine in its shape and, for the optimizer state,
     groups saved with the same tensor names (DeepSpeed copies each saved group's settings into the group of
     the same index) and a momentum for each Muon tensor."""
@@ -127,6 +135,10 @@ def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights
     if weights_only:
         return
     saved_groups = universal_groups(src)
+    if not universal_version(src) and not zero3:
+        _refuse(src, "its zero/optimizer_state.pt has no ds_version (a ZeRO-3 checkpoint converted by an older "
+                     "ds_muon), which DeepSpeed's ZeRO-1/2 universal load asserts on; convert the ZeRO-3 tag folder "
+                     "again with ds_muon.integrations.deepspeed_universal.zero_to_universal")
     now = [g.get("param_names") for g in muon.param_groups]
     theirs = [g.get("param_names") for g in saved_groups]
     if len(saved_groups) != len(muon.param_groups) or any(t is None for t in theirs):
@@ -162,6 +174,7 @@ def guard_loads(engine, muon) -> None:
 
     engine.load_checkpoint = load_checkpoint
     engine._ds_muon_guarded = True
+    find_model_states_of_any_stage(engine)
     zero = engine.optimizer
     relink_state_fragments(zero)
     if engine.zero_optimization_partition_weights() and hasattr(zero, "_load_universal_checkpoint"):
@@ -188,6 +201,33 @@ def guard_loads(engine, muon) -> None:
             return out
 
         zero._load_universal_checkpoint = load_universal12
+
+
+def model_states_names(load_dir: str, tag: str, zero3: bool) -> List[str]:
+    """The model-states files of a checkpoint tag the way a ZeRO-3 engine (``zero_pp_rank_0_mp_rank_*``,
+    rank 0's: what DeepSpeed's universal load reads) or a ZeRO-1/2 engine (``mp_rank_*``) names them."""
+    name = "zero_pp_rank_0_mp_rank_*_model_states.pt" if zero3 else "mp_rank_*_model_states.pt"
+    return sorted(glob.glob(os.path.join(load_dir, str(tag), name)))
+
+
+def find_model_states_of_any_stage(engine) -> None:
+    """Let a universal load find the model-states file a checkpoint of another ZeRO stage wrote.
+
+    A universal load takes the weights and optimizer state from ``zero/`` and only metadata (steps,
+    scheduler, client state) from the model-states file, but DeepSpeed 0.19.8 looks that file up by
+    its own stage's name: a ZeRO-3 engine for ``zero_pp_rank_0_mp_rank_00_model_states.pt``, ZeRO-1/2
+    for ``mp_rank_00_model_states.pt``.  So a checkpoint converted at ZeRO-1/2 failed at ZeRO-3 (and
+    the other way) with an empty ``AssertionError`` (``len(self.ckpt_list) > 0``).  Where the
+    engine's name finds nothing, the other stage's is used."""
+    own = engine._get_all_ckpt_names
+
+    def names(checkpoints_path, tag):
+        found = own(checkpoints_path, tag)
+        if found or not engine.load_universal_checkpoint():
+            return found
+        return model_states_names(checkpoints_path, tag, not engine.zero_optimization_partition_weights())
+
+    engine._get_all_ckpt_names = names
 
 
 def _state_signature(zero) -> tuple:

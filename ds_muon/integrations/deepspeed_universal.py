@@ -120,6 +120,21 @@ def _merge(temp_dir: str, zero_dir: str, shapes: Dict[str, torch.Size]) -> None:
             d2u._save_checkpoint(out, merged if key == STEP else {PARAM: merged.view(shape)})
 
 
+def _save_optimizer_state_stage3(optim_file: str, zero_dir: str) -> None:
+    """``zero/optimizer_state.pt`` of a ZeRO-3 checkpoint, as DeepSpeed 0.19.8's ``_save_optimizer_state_stage3``
+    writes it plus the ``ds_version`` its ZeRO-1/2 universal load asserts on (DeepSpeed keeps it one level
+    up at ZeRO-3 and drops it): without it a ZeRO-3 checkpoint did not load at ZeRO-1/2."""
+    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
+
+    sd = torch.load(optim_file, map_location="cpu", weights_only=False)
+    out = sd[OPTIMIZER_STATE_DICT]
+    out[PARAM_GROUPS] = out[OPTIMIZER_STATE_DICT][PARAM_GROUPS]
+    if not out.get(DS_VERSION) and sd.get(DS_VERSION):
+        out[DS_VERSION] = sd[DS_VERSION]
+    os.makedirs(zero_dir, exist_ok=True)
+    torch.save(out, os.path.join(zero_dir, "optimizer_state.pt"))
+
+
 def zero_to_universal(input_folder: str, output_folder: str) -> str:
     """DeepSpeed's ``ds_to_universal`` for a ZeRO-1/2/3 checkpoint folder (one tag), over every
     state key of every group; writes ``output_folder`` and ``latest_universal`` beside it (as DeepSpeed's
@@ -156,7 +171,7 @@ def zero_to_universal(input_folder: str, output_folder: str) -> str:
         for dp in range(dp_degree):
             _extract_zero3(grid[0][dp], shapes_by_group, temp_dir, dp, dp_degree, output_folder)
         _merge(temp_dir, zero_dir, {n: s for g in shapes_by_group for n, s in g.items()})
-        d2u._save_optimizer_state_stage3(args, zero3_files)
+        _save_optimizer_state_stage3(zero3_files[0], zero_dir)
     shutil.rmtree(temp_dir, ignore_errors=True)
     for f in model_files:
         shutil.copy2(f, output_folder)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -161,6 +161,9 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     method: str = "standard",
+    *,
+    out: Optional[torch.Tensor] = None,
+    max_chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """Approximately orthogonalize each matrix in the last two dims of ``G``.
 
@@ -170,6 +173,13 @@ def newton_schulz(
     iterates on the small Gram matrix where that is cheaper (opt-in: it is the
     same polynomial, but rounds differently); ``"auto"`` does so where that rounds no worse
     (:func:`resolve_method`).  The loop reuses a fixed workspace: no allocation per iteration.
+
+    ``out`` (contiguous, G's shape, in ``compute_dtype(method, dtype)``): the result is written
+    there (the last product's own output; small tall matrices: one transposing copy) and ``out``
+    is returned.  It may be G's own memory from its first byte (a
+    narrower dtype reinterpreting it): each chunk is read before its results land, and they land
+    on bytes of matrices already read.  ``max_chunk``: at most that many matrices per pass (a
+    bound on the workspace).  Neither changes a bit of the result.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
@@ -185,21 +195,45 @@ def newton_schulz(
     gram = method == "gram" and use_gram(rows, cols, steps)
     # where a whole stack's workspace outgrows the caches, whole matrices at a time (ns_kernels):
     # every matrix meets the same operations either way, so the bits do not change
-    chunk = None if gram or _compiling() else ns_kernels.chunk_matrices(
-        G.device.type, dtype, len(G3), min(rows, cols), max(rows, cols), steps)
-    if chunk is None or chunk >= len(G3):  # (compiled: no test on the symbolic batch size)
+    if _compiling():  # (compiled: no test on the symbolic batch size; compiled_newton_schulz passes no out)
         X = _orthogonalize(G3, per_step, norm_scale, eps, dtype, gram)
         return X.reshape(*batch_shape, rows, cols).to(out_dtype)
-    out = torch.empty(G3.shape, dtype=out_dtype, device=G.device)
+    chunk = len(G3) if gram else ns_kernels.chunk_matrices(
+        G.device.type, dtype, len(G3), min(rows, cols), max(rows, cols), steps)
+    if max_chunk is not None:
+        chunk = min(chunk, max_chunk)
+    chunk = max(1, chunk)
+    if out is None and chunk >= len(G3):
+        X = _orthogonalize(G3, per_step, norm_scale, eps, dtype, gram)
+        return X.reshape(*batch_shape, rows, cols).to(out_dtype)
+    out3 = torch.empty(G3.shape, dtype=out_dtype, device=G.device) if out is None else _out3(out, G3, out_dtype)
     # one cast buffer and one workspace for every chunk (fresh pages per chunk cost page faults)
-    cast = G3.new_empty((chunk, rows, cols), dtype=input_dtype(dtype)) if G3.dtype != input_dtype(dtype) else None
-    ws = _workspace(chunk, min(rows, cols), max(rows, cols), dtype, G.device)
+    chunk = min(chunk, len(G3))
+    cast = None if chunk >= len(G3) or G3.dtype == input_dtype(dtype) else \
+        G3.new_empty((chunk, rows, cols), dtype=input_dtype(dtype))
+    ws = None if gram else _workspace(chunk, min(rows, cols), max(rows, cols), dtype, G.device)
+    # the last step writes straight into the destination (a tall stack's through its transposed view,
+    # where ns_kernels.writes_tall says that keeps the bits)
+    last = out_dtype == dtype and not gram and (rows <= cols or ns_kernels.writes_tall(cols, rows))
     for k0 in range(0, len(G3), chunk):
         k1 = min(len(G3), k0 + chunk)
+        dest = out3[k0:k1]
         X = _orthogonalize(G3[k0:k1], per_step, norm_scale, eps, dtype, gram,
-                           None if cast is None else cast[:k1 - k0], [w[:k1 - k0] for w in ws])
-        out[k0:k1].copy_(X)
-    return out.reshape(*batch_shape, rows, cols)
+                           None if cast is None else cast[:k1 - k0],
+                           None if ws is None else [w[:k1 - k0] for w in ws]
+                           + ([dest if rows <= cols else dest.mT] if last else []))
+        if X.data_ptr() != dest.data_ptr() or X.stride() != dest.stride():
+            dest.copy_(X)  # tall (one transposing copy), Gram, a wider result, or no steps
+    return out if out is not None else out3.reshape(*batch_shape, rows, cols)
+
+
+def _out3(out: torch.Tensor, G3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` as [batch, rows, cols], after checking it can hold the result."""
+    if out.dtype != dtype or out.numel() != G3.numel() or not out.is_contiguous() or out.device != G3.device:
+        raise ValueError(f"newton_schulz: out must be a contiguous {dtype} tensor of {G3.numel()} elements on "
+                         f"{G3.device} (the result's), got {out.dtype} {tuple(out.shape)} on {out.device}"
+                         f"{'' if out.is_contiguous() else ', not contiguous'}")
+    return out.view(G3.shape)
 
 
 def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dtype: torch.dtype,
@@ -208,10 +242,7 @@ def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dty
     ``cast`` (a buffer for the cast) and ``ws`` (the iteration's workspace) are reused across chunks."""
     X = G.to(input_dtype(dtype)) if cast is None else cast.copy_(G)  # the same elementwise rounding
     fresh = X is not G  # the cast made a copy this function owns: normalise it in place
-    norm = _frobenius_norm(X)
-    if norm_scale != 1.0:
-        norm = norm * norm_scale
-    norm = norm.clamp_(min=eps).to(X.dtype)
+    norm = input_norm(X, norm_scale, eps)
     X = (X.div_(norm) if fresh and X.dtype == dtype else (X / norm).to(dtype))
     # normalised in G's own layout, then viewed wide: the same memory torch.optim.Muon's
     # transposed view has, and the layout torch.compile keeps too (so both run the same products)
@@ -222,7 +253,37 @@ def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dty
     return X.mT if tall else X
 
 
-def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
+def input_norm(X: torch.Tensor, norm_scale: float, eps: float, dim=(-2, -1)) -> torch.Tensor:
+    """The divisor NS normalises ``X`` by: ``max(norm_scale·‖X‖_F, eps)`` per matrix over ``dim``, in
+    X's dtype, right at every scale.  torch's bf16 norm sums squares in fp32, which overflows to inf
+    for a finite matrix of entries ~1e20 (the update became all zeros) and underflows to 0 below
+    ~1e-19 (0/0 with eps = 0).  So the norm is also summed in float64 (wide enough for the squares of
+    any fp32/bf16/fp16 value; a float64 input is pre-scaled by its max-abs), and that one is taken
+    wherever the fast one could have over- or underflowed: where the float64 norm lies outside
+    [2⁻⁴⁰, 2⁶³] (there the fp32 sum is exact to its own rounding).  Elsewhere the result is the
+    bits of the fast norm, so NS stays bitwise torch.optim.Muon's.  No host sync: a ``where``."""
+    fast = _frobenius_norm(X, dim)
+    if norm_scale != 1.0:
+        fast = fast * norm_scale
+    fast = fast.clamp_(min=eps).to(X.dtype)
+    if X.dtype == torch.float32:  # _frobenius_norm already sums fp32 in float64: no overflow, no underflow
+        return fast
+    wide = _wide_norm(X, dim)
+    ordinary = (wide >= 2.0 ** -40) & (wide <= 2.0 ** 63)
+    safe = (wide * norm_scale).clamp_(min=eps).to(X.dtype)
+    return torch.where(ordinary, fast, safe)
+
+
+def _wide_norm(X: torch.Tensor, dim) -> torch.Tensor:
+    """‖X‖_F over ``dim`` in float64 with neither overflow nor underflow for any finite X."""
+    if X.dtype != torch.float64:
+        return torch.linalg.vector_norm(X, dim=dim, keepdim=True, dtype=torch.float64)
+    peak = torch.amax(X.abs(), dim=dim, keepdim=True)
+    peak = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return torch.linalg.vector_norm(X / peak, dim=dim, keepdim=True) * peak
+
+
+def _frobenius_norm(X: torch.Tensor, dim=(-2, -1)) -> torch.Tensor:
     """Each matrix's Frobenius norm, [batch, 1, 1].  An fp32 input accumulates in float64:
     torch's fp32 norm sums in fp32, 1e-5 off on a 256×1024 matrix, and that scale error
     was the whole of an fp32 iteration's error against float64 (6× above what the
@@ -230,11 +291,13 @@ def _frobenius_norm(X: torch.Tensor) -> torch.Tensor:
     (accumulated in fp32, rounded to bf16) so that the default iteration stays bitwise
     torch.optim.Muon's."""
     wide = torch.float64 if X.dtype == torch.float32 else None
-    return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=wide)
+    return torch.linalg.vector_norm(X, dim=dim, keepdim=True, dtype=wide)
 
 
 def _workspace(count: int, m: int, n: int, dtype: torch.dtype, device) -> list:
-    """A and B ([count, m, m]), then two X buffers ([count, m, n], contiguous whatever X's strides)."""
+    """A and B ([count, m, m]), then two X buffers ([count, m, n], contiguous whatever X's strides).
+    A fifth entry, where a caller adds one ([count, m, n]: contiguous, or the transposed view of a
+    tall destination), is where the last step writes."""
     return [torch.empty((count, m, m), dtype=dtype, device=device) for _ in range(2)] + \
         [torch.empty((count, m, n), dtype=dtype, device=device) for _ in range(2)]
 
@@ -244,6 +307,7 @@ def _standard_iteration(X: torch.Tensor, per_step, ws=None) -> torch.Tensor:
     (``ws`` from :func:`_workspace`, or a new one)."""
     b_, m, n = X.shape
     A, B, *bufs = ws if ws is not None else _workspace(b_, m, n, X.dtype, X.device)
+    last = bufs[2] if len(bufs) > 2 else None  # the destination of the last step, if given
     compiling = _compiling()
     for k, (a, b, c) in enumerate(per_step):
         # the forms this machine runs fastest (ns_kernels: all give the same bits); step 1 of a tall
@@ -251,7 +315,7 @@ def _standard_iteration(X: torch.Tensor, per_step, ws=None) -> torch.Tensor:
         f_gram, f_poly, f_apply = ns_kernels.forms_for(X, compiling)
         ns_kernels.gram(X, A, f_gram)
         ns_kernels.poly(A, b, c, B, f_poly)
-        X = ns_kernels.apply(X, B, a, bufs[k % 2], f_apply)
+        X = ns_kernels.apply(X, B, a, last if last is not None and k + 1 == len(per_step) else bufs[k % 2], f_apply)
     return X
 
 
@@ -329,6 +393,7 @@ def _run_compiled(G: torch.Tensor, steps: int = 5, coefficients: Coefficients = 
         code = newton_schulz.__code__.replace()  # a code object of its own: its own graph cache
         fresh = types.FunctionType(code, newton_schulz.__globals__, newton_schulz.__name__,
                                    newton_schulz.__defaults__, newton_schulz.__closure__)
+        fresh.__kwdefaults__ = dict(newton_schulz.__kwdefaults__ or {})
         fn = _compiled[key] = torch.compile(fresh, dynamic=False, options=_inductor_options())
     if G.ndim == 3 and hasattr(torch._dynamo, "decorators") and hasattr(torch._dynamo.decorators, "mark_unbacked"):
         torch._dynamo.decorators.mark_unbacked(G, 0)

@@ -69,6 +69,14 @@ TABLES: Dict[str, Dict[Tuple[str, str, bool, str], str]] = {
         ("float32", "apply", True, "large"): "per_matrix",
         ("float16", "apply", True, "large"): "per_matrix",
     },
+    # AMD EPYC (avx512, avx512_bf16; no AMX), torch 2.13 CPU: the same class, batched ``baddbmm`` on a
+    # transposed X took 1.18-1.22x (bf16) and 1.11x (fp32) per-matrix ``addmm``'s time (ns_kernels.measure,
+    # 15 interleaved repeats, the box shared); every other class within 5 % of batched (docs/PERFORMANCE.md)
+    "cpu:AuthenticAMD:avx512": {
+        ("bfloat16", "apply", True, "large"): "per_matrix",
+        ("float32", "apply", True, "large"): "per_matrix",
+        ("float16", "apply", True, "large"): "per_matrix",
+    },
 }
 
 # Per device family: bytes of NS workspace one chunk of a stack may use before the iteration runs
@@ -238,12 +246,26 @@ def poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor, form: str) -> t
 
 
 def apply(X: torch.Tensor, B: torch.Tensor, a: float, out: torch.Tensor, form: str) -> torch.Tensor:
-    """out ← aX + B·X."""
-    if form == "per_matrix":
+    """out ← aX + B·X.  ``out`` may be a transposed view (:func:`writes_tall`: a tall stack's last step
+    written in its own layout, no transposing copy after): then always per matrix, ``addmm`` into
+    each matrix's transposed view (the batched form into such a view rounded differently)."""
+    if form == "per_matrix" or not out.is_contiguous():
         for i in range(X.size(0)):
             torch.addmm(X[i], B[i], X[i], beta=a, out=out[i])
         return out
     return torch.baddbmm(X, B, X, beta=a, out=out)
+
+
+def writes_tall(m: int, n: int) -> bool:
+    """Does a tall stack's last step write its result in the tall layout itself (``addmm`` per matrix
+    into the transposed view of the destination) rather than wide and then copied transposed?
+
+    The transposing copy is strided on one side: on the AMD EPYC it cost ~10 % of a 4×1536×512 bf16
+    NS (benchmarks/ns_roofline.py), the products themselves no more than the copy they replace.
+    Bits: ``addmm`` into a transposed ``out`` computes the transposed product, the same products
+    summed in the same order on every large shape measured (bf16 and fp32, 175 shapes; small fp32
+    ones differed: 3 of 29), so only the large bucket does it (``tests/test_ns_kernels.py`` checks)."""
+    return size_bucket(m, n) == "large"
 
 
 def forms_for(X: torch.Tensor, compiling: bool = False) -> Tuple[str, str, str]:

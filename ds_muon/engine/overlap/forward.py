@@ -22,6 +22,10 @@ parent module reading a child's weight in its own forward (``F.linear(h,
 self.dec.weight)``), FSDP's ``summon_full_params`` or a manual ``unshard()``.
 Without ``apply_in_forward`` nothing is deferred and every read sees the update.
 
+A copy of the model (``copy.deepcopy`` for an EMA or reference model, pickling, ``torch.save(model)``)
+lands every pending update first, so the copy holds the updated weights, and the copy's hooks are
+inert: nothing in it can apply the original's updates (a second time).
+
 Waiting needs no new collective — every exchange was issued in ``step()`` in the
 same order on every rank — so a rank that never runs some module's forward cannot
 deadlock the others.
@@ -29,6 +33,7 @@ deadlock the others.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Set
 
 import torch
@@ -63,7 +68,8 @@ class DeferredApply:
         self._fsdp1_by_handle: Dict[int, nn.Module] = {}
         self._hooked: Dict[int, object] = {}
         self._state_hooks: list = []  # state_dict / load_state_dict pre-hooks on every module
-        self._state_hook = _first(model._state_dict_pre_hooks, model.register_state_dict_pre_hook(self._flush_hook))
+        self._state_hook = _first(model._state_dict_pre_hooks, model.register_state_dict_pre_hook(_Hook(self)))
+        _parameters_last(model)
 
     def add(self, param_ids: List[int], apply: Callable[[], None], params: List[torch.Tensor]) -> None:
         device = next((p.device for p in params if p.is_cuda), None)
@@ -93,35 +99,28 @@ class DeferredApply:
         self._units = {id(u) for u in units}
         for unit in units:
             self._hook(unit)
-        flush = self._flush_hook
         for mod in self.model.modules():
-            self._state_hooks.append(_first(mod._state_dict_pre_hooks, mod.register_state_dict_pre_hook(flush)))
+            self._state_hooks.append(_first(mod._state_dict_pre_hooks, mod.register_state_dict_pre_hook(_Hook(self))))
             self._state_hooks.append(
-                _first(mod._load_state_dict_pre_hooks, mod.register_load_state_dict_pre_hook(flush)))
-
-    def _flush_hook(self, *args, **kwargs) -> None:
-        if self._pending:
-            self.flush()
+                _first(mod._load_state_dict_pre_hooks, mod.register_load_state_dict_pre_hook(_Hook(self))))
+            _parameters_last(mod)
 
     def _hook(self, mod: nn.Module) -> None:
         if id(mod) not in self._hooked:
-            self._hooked[id(mod)] = mod.register_forward_pre_hook(self._pre_forward(mod), prepend=True)
+            self._hooked[id(mod)] = mod.register_forward_pre_hook(_Hook(self, forward=True), prepend=True)
 
-    def _pre_forward(self, mod: nn.Module):
+    def _pre_forward(self, mod: nn.Module) -> None:
+        """Land what ``mod``'s forward (or, for an FSDP unit, its all-gather) is about to read."""
+        if not self._pending:
+            return
         is_unit = id(mod) in self._units
-
-        def hook(module, args):
-            if not self._pending:
-                return
-            units = gathered_in_pre_forward(mod, self._fsdp1_by_handle) if is_unit else [mod]
-            ids = set()
-            for unit in units:
-                ids |= self._members.get(id(unit), set())
-            devices = self.apply_for(ids)
-            if devices and is_unit:
-                _gathers_wait(units, devices)
-
-        return hook
+        units = gathered_in_pre_forward(mod, self._fsdp1_by_handle) if is_unit else [mod]
+        ids = set()
+        for unit in units:
+            ids |= self._members.get(id(unit), set())
+        devices = self.apply_for(ids)
+        if devices and is_unit:
+            _gathers_wait(units, devices)
 
     def apply_for(self, param_ids) -> Set[torch.device]:
         """Apply (in dispatch order) every pending wave that touches these parameters;
@@ -154,6 +153,64 @@ class DeferredApply:
         self._hooked.clear()
         self._state_hooks = []
         self._owner, self._members, self._units, self._fsdp1_by_handle = {}, {}, set(), {}
+
+
+class _Hook:
+    """A module hook of :class:`DeferredApply`: ``forward``, the pre-hook that lands what the module
+    (its first argument) is about to read; else the state_dict / load_state_dict pre-hook that lands
+    all.  It holds the DeferredApply weakly (the optimizer owns it; a closure or a bound method would
+    drag the optimizer, the model and any DDP wrapper into a copy of a module).  Copied or pickled,
+    it first lands every pending update of the original (so the copy's weights are the updated
+    ones) and becomes an :class:`_Inert` hook: a copy never applies the original's updates."""
+
+    __slots__ = ("_owner", "_forward")
+
+    def __init__(self, owner: "DeferredApply", forward: bool = False):
+        self._owner = weakref.ref(owner)
+        self._forward = forward
+
+    def __call__(self, module, *args, **kwargs) -> None:
+        owner = self._owner()
+        if owner is None or not owner._pending:
+            return
+        if self._forward:
+            owner._pre_forward(module)
+        else:
+            owner.flush()
+
+    def _land(self) -> None:
+        owner = self._owner()
+        if owner is not None and owner._pending:
+            owner.flush()
+
+    def __deepcopy__(self, memo):
+        self._land()
+        return _Inert()
+
+    def __copy__(self):
+        return self  # a shallow copy shares the original's parameters: the same hook is right
+
+    def __reduce__(self):
+        self._land()
+        return (_Inert, ())
+
+
+class _Inert:
+    """What a copy of a :class:`_Hook` becomes: a hook that does nothing."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs) -> None:
+        return None
+
+
+def _parameters_last(mod: nn.Module) -> None:
+    """Move ``_parameters`` after the hook dicts in ``mod.__dict__`` (an order nothing else reads):
+    deepcopy and pickle walk the dict in order, so a copy of ``mod`` meets a :class:`_Hook` (which
+    lands the pending updates) before the weights it copies.  ``_modules`` already comes after."""
+    d = mod.__dict__
+    if "_parameters" in d:
+        d["_parameters"] = d.pop("_parameters")
 
 
 def _first(hooks, handle):

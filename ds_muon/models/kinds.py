@@ -118,7 +118,8 @@ class Rules:
         self.split_fused = split_fused
         self.split_attention = split_attention
         self.hf = _is_pretrained(model)
-        self.names_rule = not self.hf or self.head_names != HEAD_NAMES
+        self.names_given = self.head_names != HEAD_NAMES
+        self.names_rule = not self.hf or self.names_given
         configs = cfg.configs_of(model)
         self.config = configs[0] if configs else None
         self.experts = cfg.expert_counts(configs)
@@ -183,8 +184,10 @@ class Rules:
             if use is None or not use.blocks:
                 raise
             d = Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)  # the forward says how it is fused
-        if d.decided_by == "name" and use is not None and use.matrix and not use.head:
-            self.names_rule = False  # the forward shows a hidden layer named like a head: the trace decides
+        if d.decided_by == "name" and not self.names_given and use is not None and use.matrix and not use.head:
+            # the forward shows a hidden layer named like a default head name: the trace decides (head_names the
+            # user gave stay the user's word)
+            self.names_rule = False
             try:
                 d = self._rules(module_name, module, pname, shape, param, config)
             finally:

@@ -275,7 +275,16 @@ def input_norm(X: torch.Tensor, norm_scale: float, eps: float, dim=(-2, -1)) -> 
 
 
 def _wide_norm(X: torch.Tensor, dim) -> torch.Tensor:
-    """‖X‖_F over ``dim`` in float64 with neither overflow nor underflow for any finite X."""
+    """‖X‖_F over ``dim`` in float64 with neither overflow nor underflow for any finite X.  A bf16 X is
+    first scaled by a power of two (exact) that puts its largest entry in [1/2, 1), so torch's fp32 sum
+    of squares cannot overflow or underflow, and the norm is scaled back in float64: no float64 copy of
+    X, which would take 4× X's memory at the step's peak (``tests/test_memory.py``)."""
+    if X.dtype == torch.bfloat16:
+        peak = torch.linalg.vector_norm(X, ord=float("inf"), dim=dim, keepdim=True).float()
+        exponent = torch.frexp(peak).exponent
+        exponent = torch.where(peak > 0, exponent, torch.zeros_like(exponent)).clamp_(min=-127)  # 2^127 fits bf16
+        scale = torch.exp2(-exponent.float())
+        return torch.linalg.vector_norm(X * scale.to(X.dtype), dim=dim, keepdim=True).double() / scale.double()
     if X.dtype != torch.float64:
         return torch.linalg.vector_norm(X, dim=dim, keepdim=True, dtype=torch.float64)
     peak = torch.amax(X.abs(), dim=dim, keepdim=True)

@@ -1,12 +1,12 @@
 """all_to_all_single over the whole group against batched point-to-point with only the ranks
-each rank really talks to (the two transports of :class:`ds_muon.engine.exchange.Exchange`).
+each rank really talks to (the two transports of :class:`ds_muon.engine.exchange.all_to_all.Exchange`).
 
 Sparse patterns: rank r sends ``elems`` floats to each of r+1..r+k and receives from
 r-1..r-k (mod W); every other split is zero.  For each world size (gloo ranks on this
 machine, one thread each) and k, both transports run in the same processes, alternating
 per repeat, and the slowest rank's median per call is reported in wall time and in process
 CPU time (the machine is shared: wall swings, CPU time much less).  Then the planner's model
-(:meth:`ds_muon.engine.planner.CostModel.transport_seconds`) at W = 1k-10k.
+(:meth:`ds_muon.engine.plan.planner.CostModel.transport_seconds`) at W = 1k-10k.
 
 What a few CPU processes cannot show: NCCL's per-peer cost of an all_to_all, its
 connections (one per peer, each with its own buffers) and the network at thousands of ranks.
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from common import header, table
 
 import dist_harness
-from ds_muon.engine.planner import CostModel
+from ds_muon.engine.plan.planner import CostModel
 
 
 def _pattern(rank: int, world: int, k: int, elems: int):

@@ -61,7 +61,7 @@ def main() -> None:
     print(f"rank 0 RSS: step {a.first} {rss[a.first]:.0f} MiB, step {a.steps} {rss[a.steps]:.0f} MiB, "
           f"growth {rss[a.steps] - rss[a.first]:+.0f} MiB")
     print(f"compiled exchanges kept: {count}, their buffers while a step uses them: {held / 2**20:.1f} MiB "
-          "(given back between steps: ds_muon/engine/lending.py)")
+          "(given back between steps: ds_muon/engine/memory/lending.py)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 One thread (as one rank runs its home stacks; ``--threads`` for more).  Each round times, back to
 back (the order reversed every other round): one 2048² GEMM (the reference rate), then per stack
 of the bank ds_muon's NS as the optimizer's step runs it on a home stack (``ds``:
-:class:`~ds_muon.engine.budget.ChunkedNS` with the memory budget of the bank's fp32 momenta, the
+:class:`~ds_muon.engine.memory.budget.ChunkedNS` with the memory budget of the bank's fp32 momenta, the
 kernel forms and chunking :mod:`ds_muon.rules.ns_kernels` chooses on this machine, results written
 into the stack's own memory; the stack is refilled from fp32 outside the timing, as the gather
 fills it), ``newton_schulz()`` on the whole stack with a contiguous result, the same with every
@@ -30,8 +30,8 @@ import torch
 
 from common import header, table
 
-from ds_muon.engine.budget import ChunkedNS, budget_bytes
-from ds_muon.engine.compile import ns_settings
+from ds_muon.engine.memory.budget import ChunkedNS, budget_bytes
+from ds_muon.engine.plan.compile import ns_settings
 from ds_muon.rules import ns_kernels
 from ds_muon.rules.newton_schulz import KELLER, newton_schulz, ns_flops
 
@@ -96,7 +96,7 @@ def bare_products(G, dtype):
 
 
 def engine(G, dtype):
-    """What the optimizer's step runs on a home stack (ds_muon.engine.compile / budget): ChunkedNS on
+    """What the optimizer's step runs on a home stack (ds_muon.engine.plan.compile / budget): ChunkedNS on
     the stack, its results in the stack's own memory; (refill the stack from G, run NS)."""
     ns = ns_settings(dict(ns_steps=STEPS, ns_coefficients="keller", ns_dtype=dtype, eps=1e-7, ns_method="standard"))
     run = ChunkedNS(ns, budget_bytes([r * c * 4 for b, r, c in BANK for _ in range(b)]))

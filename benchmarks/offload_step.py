@@ -5,7 +5,7 @@ DS_ACCELERATOR=cuda) builds a DeepSpeed ZeRO-2 engine through the DsMuon entry w
 without ``offload_optimizer: {device: cpu, pin_memory: true}`` and prints, side by side:
 median wall and process CPU time of ``engine.step()`` (the optimizer step), the optimizer
 state bytes on the device and on the host, and on CUDA the peak device memory the step
-allocates above what it started with.  Then the NS pipeline of ds_muon.engine.offload on one stack
+allocates above what it started with.  Then the NS pipeline of ds_muon.engine.memory.offload on one stack
 of same-shape matrices: whole vs chunked (on CPU: the chunk loop's overhead only).
 
     DS_ACCELERATOR=cpu python benchmarks/offload_step.py [--dim 512] [--layers 4] [--world 2]
@@ -81,8 +81,8 @@ def _worker(rank, world, dim, layers, steps):
 
 
 def ns_pipeline(count, rows_, cols, device="cpu"):
-    from ds_muon.engine.compile import NSSettings
-    from ds_muon.engine.offload import run_ns, scratch_bytes
+    from ds_muon.engine.plan.compile import NSSettings
+    from ds_muon.engine.memory.offload import run_ns, scratch_bytes
 
     ns = NSSettings(5, "keller", torch.bfloat16, 1e-7, "standard")
     stack = torch.randn(count, rows_, cols)
@@ -128,7 +128,7 @@ def main():
           f"W={args.world}, rank 0's numbers")
     table(["run", "step wall ms", "step CPU ms", "state on device MiB", "state on host MiB",
            "step peak device MiB"], rows)
-    print("NS of 16 matrices 1024x4096 (bf16), stack in host memory (ds_muon.engine.offload.run_ns):")
+    print("NS of 16 matrices 1024x4096 (bf16), stack in host memory (ds_muon.engine.memory.offload.run_ns):")
     table(["chunking", "wall ms", "CPU ms", "device scratch bound MiB"], ns_pipeline(16, 1024, 4096, device))
 
 

@@ -37,7 +37,7 @@ SETTINGS = {
 
 def _timed_exchange(blocked: list) -> None:
     """Count the seconds spent in the exchange's waits (and unpacking) in ``blocked[0]``."""
-    from ds_muon.engine.exchange import Exchange
+    from ds_muon.engine.exchange.all_to_all import Exchange
 
     def timed(fn):
         def wrapper(self, pending):

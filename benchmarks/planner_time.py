@@ -1,6 +1,6 @@
 """How long ``planner="auto"`` (the default) takes to plan, next to what it plans.
 
-No processes: :func:`ds_muon.engine.planner.plan_multi_homes` on preset shapes under DDP (every rank
+No processes: :func:`ds_muon.engine.plan.planner.plan_multi_homes` on preset shapes under DDP (every rank
 holds every matrix whole: the case with the most candidate homes) and ZeRO/FSDP1 partitions,
 with the default cost model.  Per row: the modelled step of the one-home ``locality`` plan,
 of ``auto`` and of duplicating every NS, homes per matrix, and this process's CPU seconds
@@ -14,9 +14,9 @@ import time
 
 from common import header, table
 
-from ds_muon.engine import costs
+from ds_muon.engine.plan import costs
 from ds_muon.cli import load_shapes
-from ds_muon.engine.planner import CostModel, plan_multi_homes
+from ds_muon.engine.plan.planner import CostModel, plan_multi_homes
 
 CASES = [("gpt-125m", 8, "replicated"), ("gpt-125m", 64, "replicated"), ("llama-1b", 8, "replicated"),
          ("llama-1b", 64, "replicated"), ("llama-7b", 1024, "replicated"), ("llama-7b", 4096, "replicated"),

@@ -23,10 +23,10 @@ from common import header, table
 
 import dist_harness
 import ds_muon
-from ds_muon.engine import costs
-from ds_muon.engine.layout import ParamBinding, slots_in_range
+from ds_muon.engine.plan import costs
+from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
 from ds_muon.rules.newton_schulz import ns_flops
-from ds_muon.engine.planner import CostModel
+from ds_muon.engine.plan.planner import CostModel
 
 SHAPES = [(512, 512), (512, 2048), (2048, 512)] * 8
 

@@ -1,4 +1,4 @@
-"""Team NS (ds_muon.engine.team) against one home: a step dominated by one large matrix, at W=2–4 gloo.
+"""Team NS (ds_muon.engine.plan.team) against one home: a step dominated by one large matrix, at W=2–4 gloo.
 
 One 2048×2048 matrix beside small ones (8 × 512×512, 8 × 256×1024), DDP-like (every rank holds every
 tensor).  ``planner="locality"`` gives the large matrix one home, so its NS is the step;
@@ -71,9 +71,9 @@ ACCURACY_SHAPES = [(512, 512), (256, 1024), (1024, 256), (96, 200)]  # docs/PERF
 
 def _accuracy_worker(rank, world, shapes):
     """team_newton_schulz over the world against newton_schulz at one home and in float64."""
-    from ds_muon.engine.compile import NSSettings
+    from ds_muon.engine.plan.compile import NSSettings
     from ds_muon.rules.newton_schulz import newton_schulz
-    from ds_muon.engine.team import team_bounds, team_newton_schulz
+    from ds_muon.engine.plan.team import team_bounds, team_newton_schulz
 
     out = []
     for shape in shapes:

@@ -1,7 +1,11 @@
 """ds_muon: Muon for sharded PyTorch training (DeepSpeed ZeRO, FSDP1/FSDP2, DDP, accelerate)."""
 
-from .engine.layout import Layout, MatrixSlot, ParamBinding, Piece
-from .engine.planner import CostModel, MatrixTask, Plan, plan_homes
+from .engine import moved
+
+moved.install()  # old module paths, one release more (ds_muon.engine.moved)
+
+from .engine.exchange.layout import Layout, MatrixSlot, ParamBinding, Piece
+from .engine.plan.planner import CostModel, MatrixTask, Plan, plan_homes
 from .models.tags import domain, expert_weight, fused_blocks, split_rows, tensor_parallel, transposed
 from .optimizer import Muon
 from .param_groups import muon_param_groups

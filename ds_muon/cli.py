@@ -6,9 +6,9 @@
     ds-muon plan --summary run.json            # a run's own matrices and holdings (Summary.save)
     ds-muon plan --preset llama-70b --mesh replicate=64,shard=8 dp=64,tp=8 --ranks-per-node 8
 
-No GPUs, no processes: the same :func:`ds_muon.engine.planner.plan_homes` the optimizer
+No GPUs, no processes: the same :func:`ds_muon.engine.plan.planner.plan_homes` the optimizer
 calls, fed with shapes and with what each rank would hold, next to the baselines
-of :mod:`ds_muon.engine.costs`.  From Python, :func:`shapes_from_module` reads a live
+of :mod:`ds_muon.engine.plan.costs`.  From Python, :func:`shapes_from_module` reads a live
 model and :func:`plan_rows` returns the table.
 """
 
@@ -21,8 +21,8 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from .engine import costs
-from .engine.planner import EXCHANGES, CostModel, ranks_per_node_from_env
+from .engine.plan import costs
+from .engine.plan.planner import EXCHANGES, CostModel, ranks_per_node_from_env
 
 MAX_WORLD_SIZE = 65536  # llama-7b's table at 65536 ranks: ~25 s and ~0.7 GB here; beyond, the planner's inputs outgrow memory
 MAX_NS_STEPS = 100
@@ -95,7 +95,7 @@ def _writable_target(path: str) -> None:
 
 
 def _mesh_spec(text: str) -> str:
-    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.engine.costs.parse_mesh` reads, of at most
+    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.engine.plan.costs.parse_mesh` reads, of at most
     :data:`MAX_WORLD_SIZE` ranks."""
     try:
         _, outer, inner = costs.parse_mesh(text)
@@ -149,9 +149,9 @@ def shapes_from_hf_config(cfg: dict) -> List[Tuple[str, Tuple[int, int]]]:
 def shapes_from_module(model) -> List[Tuple[str, Tuple[int, int]]]:
     """The Muon matrices of a live ``nn.Module`` (by :func:`ds_muon.muon_param_groups`'s rules: one
     per expert of a fused stack, one per split block)."""
-    from .engine.layout import global_shape, matrix_shape
+    from .engine.exchange.layout import global_shape, matrix_shape
     from .param_groups import split_params_checked
-    from .engine.slots import logical_blocks
+    from .engine.exchange.slots import logical_blocks
 
     muon, _ = split_params_checked(model)
     return [(key, matrix_shape(shape)) for name, p in muon for key, shape, _ in logical_blocks(p, name, global_shape(p))]
@@ -242,7 +242,7 @@ def plot_rows(rows: List[dict], path: str) -> None:
 
 
 def mesh_table(shapes, meshes: Sequence[str], cm: CostModel, ns_steps: int = 5) -> List[dict]:
-    """Rows of :func:`ds_muon.engine.costs.mesh_rows` for each mesh spec (``replicate=R,shard=S``, ``dp=D,tp=T``)."""
+    """Rows of :func:`ds_muon.engine.plan.costs.mesh_rows` for each mesh spec (``replicate=R,shard=S``, ``dp=D,tp=T``)."""
     return [r for m in meshes for r in costs.mesh_rows([s for _, s in shapes], m, cm, ns_steps)]
 
 
@@ -275,7 +275,7 @@ def cmd_plan(args) -> int:
         return 0
     rows = []
     if args.summary:  # the run's own world and holdings first, then any --world-sizes by --layout
-        from .engine.summary import Summary
+        from .engine.report.summary import Summary
 
         with _about("--summary", args.summary, "give the JSON a run wrote with Muon.summary().save(PATH)"):
             run = Summary.load(args.summary)

@@ -40,7 +40,7 @@ from .optimizer import Muon
 from .param_groups import muon_param_groups
 
 MUON_KEYS = ("momentum_buffer",)
-NORMUON_V = "normuon_v"  # NorMuon's second moment, carried where the source has it (ds_muon.engine.row_moments)
+NORMUON_V = "normuon_v"  # NorMuon's second moment, carried where the source has it (ds_muon.engine.exchange.row_moments)
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq")
 FORMATS = ("auto", "deepspeed", "universal", "dcp", "torch")
 TARGETS = ("universal", "dcp", "torch")

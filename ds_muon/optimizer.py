@@ -2,15 +2,15 @@
 
 The step's stages, in :meth:`Muon.step`'s order (every stack goes through the same path):
 
-1. check (:mod:`~ds_muon.engine.agreement`), before anything changes: gradient presence
+1. check (:mod:`~ds_muon.engine.agreement.check`), before anything changes: gradient presence
    agrees across ranks and every gradient is finite (one small all_reduce); every
-   state tensor fits its parameter (:mod:`~ds_muon.engine.state_check`);
+   state tensor fits its parameter (:mod:`~ds_muon.engine.agreement.state_check`);
 2. AdamW, through torch's own functional AdamW, on tensors of ``use_muon=False``
    groups (and on the non-matrix slices of mixed flat shards), run once stages 3–4
    (which write nothing) have planned, so a step refused there changes nothing;
 3. layouts: which matrices of each layout (one per process group) step;
-4. plan (:mod:`~ds_muon.engine.compile`): homes (:mod:`~ds_muon.engine.planner`), wire dtypes and
-   waves, compiled once into :class:`~ds_muon.engine.exchange.Exchange` objects;
+4. plan (:mod:`~ds_muon.engine.plan.compile`): homes (:mod:`~ds_muon.engine.plan.planner`), wire dtypes and
+   waves, compiled once into :class:`~ds_muon.engine.exchange.all_to_all.Exchange` objects;
 5. momentum on local pieces only (:mod:`~ds_muon.rules.update`: weight decay, momentum,
    Nesterov), then each wave's gather brings its matrices whole to their homes;
 6. NS at home, batched by shape, then the scatter sends results back;
@@ -22,7 +22,7 @@ momentum committed after stage 1).  Every update has landed when ``step()`` retu
 unless ``apply_in_forward=True`` opts into applying them by the next forward.
 
 How tensors are laid out across ranks comes from :mod:`~ds_muon.integrations`
-as :class:`~ds_muon.engine.layout.ParamBinding` objects; nothing here depends on the stack.
+as :class:`~ds_muon.engine.exchange.layout.ParamBinding` objects; nothing here depends on the stack.
 """
 
 from __future__ import annotations
@@ -37,25 +37,25 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from .engine.agreement import Agreement, LocalFailure, settings_of
-from .engine.compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
-from .engine.exchange import Exchange
-from .engine.identity import next_ordinal
-from .engine.groups import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_edited_keys, check_given_keys,
+from .engine.agreement.check import Agreement, LocalFailure, settings_of
+from .engine.plan.compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
+from .engine.exchange.all_to_all import Exchange
+from .engine.agreement.identity import next_ordinal
+from .engine.agreement.settings import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_edited_keys, check_given_keys,
                             check_keyword_booleans, check_loaded_groups, check_settings, drop_filled_defaults, drop_old_defaults,
                             dtype_name, fill_group_defaults, loaded_group, validate_group)
-from .engine.layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
-from .engine.offload import accelerator
+from .engine.exchange.layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout, local_shard
+from .engine.memory.offload import accelerator
 from .engine.overlap import OverlapSettings, Wave
-from .engine.pieces import WavePieces
-from .engine.planner import STRATEGIES, CostModel
-from .engine.row_moments import (KEY as NORMUON_V, RowMoments, agree_after_load, check_loaded_moments,
+from .engine.exchange.pieces import WavePieces
+from .engine.plan.planner import STRATEGIES, CostModel
+from .engine.exchange.row_moments import (KEY as NORMUON_V, RowMoments, agree_after_load, check_loaded_moments,
                                  check_moments, fsdp1_moments,
                                  is_normuon, new_moment, restore_moments, split_moments)
-from .engine.state_check import check_loaded_state, check_state
-from .engine.summary import Summary, log_first_step, summarize, summarize_planned
-from .engine.tag_keys import restore_tags
-from .engine.team import TeamGroups
+from .engine.agreement.state_check import check_loaded_state, check_state
+from .engine.report.summary import Summary, log_first_step, summarize, summarize_planned
+from .engine.exchange.tag_keys import restore_tags
+from .engine.plan.team import TeamGroups
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
 from .rules.decay import adamw_decay_
@@ -68,7 +68,7 @@ NONFINITE = ("raise", "skip")
 class _Job(NamedTuple):
     """One wave's exchange and what the step needs to run it."""
 
-    key: tuple  # the compiled exchanges it belongs to (see ds_muon.engine.compile.exchange_key)
+    key: tuple  # the compiled exchanges it belongs to (see ds_muon.engine.plan.compile.exchange_key)
     layout: Layout
     exchange: Exchange
     ns_of: Dict[Hashable, NSSettings]  # per stack of same-shape matrices at this rank
@@ -91,15 +91,15 @@ class Muon(Optimizer):
     ``adapter`` describes where each tensor's shards live (default: picked per tensor
     for no wrapper/DDP, FSDP1 and FSDP2; see :mod:`ds_muon.integrations`); DeepSpeed's
     is attached after ``deepspeed.initialize`` (:meth:`attach`).
-    ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.engine.planner`): ``"auto"`` (default)
+    ``planner`` picks the Newton–Schulz home ranks (:mod:`~ds_muon.engine.plan.planner`): ``"auto"`` (default)
     gives replicated matrices (DDP, HSDP replica groups) extra homes where the cost model says
     running NS again beats sending the result, and is the one-home ``"locality"`` plan otherwise;
     with ``team_ns=True`` (default) it also runs a matrix whose NS bounds the step as a *team* of
-    ranks, each orthogonalizing a column block (:mod:`~ds_muon.engine.team`; not bitwise equal to one
+    ranks, each orthogonalizing a column block (:mod:`~ds_muon.engine.plan.team`; not bitwise equal to one
     process: the bound is in docs/PERFORMANCE.md).  ``team_ns=False`` or another planner never does.
     ``variant="normuon"`` (per group too; default ``"muon"``) divides each output neuron's row of the NS
     result by the root of its running mean square (``normuon_beta2``) and restores the matrix's norm
-    (:mod:`~ds_muon.rules.normuon`; its state, ``normuon_v``: :mod:`~ds_muon.engine.row_moments`).
+    (:mod:`~ds_muon.rules.normuon`; its state, ``normuon_v``: :mod:`~ds_muon.engine.exchange.row_moments`).
     ``qk_clip``: a :class:`ds_muon.QKClip` (QK-clip, MuonClip) that scales the q/k rows of every attention
     head whose logits exceeded its ``tau`` after each step that was not skipped (:mod:`ds_muon.qk_clip`).
     :meth:`summary` tells what it does with each tensor; ``log_summary`` (default True)
@@ -166,7 +166,7 @@ class Muon(Optimizer):
         self.model = model
         self.comm_dtype = None if comm_dtype is None else as_dtype(comm_dtype, "comm_dtype")
         self.planner = planner
-        self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.engine.team)
+        self.team_ns = team_ns  # planner="auto" may run a step-bounding NS as a team (ds_muon.engine.plan.team)
         self.cost_model = cost_model  # None: CostModel.for_device of where NS runs (planning_cost_model)
         self.adam_betas = tuple(adam_betas)
         self.adam_eps = adam_eps
@@ -183,7 +183,7 @@ class Muon(Optimizer):
             variant=variant, normuon_beta2=normuon_beta2,  # NorMuon (ds_muon.rules.normuon)
         )
         super().__init__(params, defaults)
-        self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.engine.identity)
+        self._ordinal = next_ordinal(self.param_groups)  # which of this process's optimizers (ds_muon.engine.agreement.identity)
 
     def _reset_runtime(self) -> None:
         """Caches and hooks, all rebuilt lazily: bindings, layouts, compiled exchanges, and
@@ -309,7 +309,7 @@ class Muon(Optimizer):
     # -- groups ----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """torch's, after refusing a key that would do nothing on the group's kind (``ns_steps`` on an AdamW
-        group, ``betas`` on a Muon group: :data:`~ds_muon.engine.groups.SCOPE`); the optimizer's defaults
+        group, ``betas`` on a Muon group: :data:`~ds_muon.engine.agreement.settings.SCOPE`); the optimizer's defaults
         are filled in only where they act."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
@@ -462,7 +462,7 @@ class Muon(Optimizer):
 
     def _stages(self, loss, failed=None):
         """The stages of :meth:`step`, in order (see the module docstring); ``failed``: this
-        rank's failed local check (:class:`~ds_muon.engine.agreement.LocalFailure`), raised in stage 1."""
+        rank's failed local check (:class:`~ds_muon.engine.agreement.check.LocalFailure`), raised in stage 1."""
         active = self._check(failed)  # 1. which tensors step, agreed by every rank
         if active is None:
             return loss
@@ -532,7 +532,7 @@ class Muon(Optimizer):
 
     def _check_gradients(self, failed=None) -> Optional[set]:
         """Which tensors step, agreed by every rank before anything changes
-        (:class:`~ds_muon.engine.agreement.Agreement`).  Returns None when the step is skipped."""
+        (:class:`~ds_muon.engine.agreement.check.Agreement`).  Returns None when the step is skipped."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         group, world = self._step_group()
         verdict = self._agreement.check(items, self._name, group, world,
@@ -639,7 +639,7 @@ class Muon(Optimizer):
         return work
 
     def _plan(self, work) -> List[_Job]:
-        """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.engine.compile`),
+        """Stage 4: the compiled exchanges of each layout's active matrices (:mod:`~ds_muon.engine.plan.compile`),
         planned on first use and cached (a few sets of active matrices per layout) while the
         layout and NS settings stay."""
         jobs = []
@@ -668,7 +668,7 @@ class Muon(Optimizer):
     def _batches(self, jobs: List[_Job]) -> List[List[_Job]]:
         """Stages 5-7 run on all waves together (every gather issued before any NS), or, when no
         wave moves anything (one process) and none left from backward, on one wave after another:
-        then one wave's transients live at a time (waves of bounded memory: ds_muon.engine.budget)."""
+        then one wave's transients live at a time (waves of bounded memory: ds_muon.engine.memory.budget)."""
         if self._dispatch is None and not any(j.exchange.gather_traffic or j.exchange.scatter_traffic for j in jobs):
             return [[j] for j in jobs]
         return [jobs]
@@ -695,7 +695,7 @@ class Muon(Optimizer):
 
     def _orthogonalize(self, jobs: List[_Job], gathers: list) -> list:
         """Stage 6: as each gather arrives, NS at home (batched by shape and settings), then
-        NorMuon on the results of ``variant="normuon"`` matrices (:mod:`~ds_muon.engine.row_moments`),
+        NorMuon on the results of ``variant="normuon"`` matrices (:mod:`~ds_muon.engine.exchange.row_moments`),
         then its scatter is issued (and the homes' new NorMuon moments shared with every rank).
         Returns the pending scatters."""
         scatters, shared = [], []
@@ -739,7 +739,7 @@ class Muon(Optimizer):
                                                   bound_in=self._step_token if commit else None)
 
     def _pieces_of(self, layout: Layout, ex: Exchange) -> WavePieces:
-        """The wave's pieces with their views (:class:`~ds_muon.engine.pieces.WavePieces`), made once per
+        """The wave's pieces with their views (:class:`~ds_muon.engine.exchange.pieces.WavePieces`), made once per
         wave while the param groups keep their members."""
         members = tuple((id(g), len(g["params"])) for g in self.param_groups)
         if members != self._pieces_members:
@@ -809,7 +809,7 @@ class Muon(Optimizer):
 
     def state_dict(self):
         """torch's state dict; NorMuon's ``normuon_v`` of an FSDP1 flat parameter as a tuple of floats
-        (see :func:`~ds_muon.engine.row_moments.fsdp1_moments`: FSDP1's optimizer state dicts take every
+        (see :func:`~ds_muon.engine.exchange.row_moments.fsdp1_moments`: FSDP1's optimizer state dicts take every
         state tensor with a dimension for a shard of the flat parameter)."""
         self.flush()
         held = {id(p) for g in self.param_groups for p in g["params"]}
@@ -856,7 +856,7 @@ class Muon(Optimizer):
         first step of a multi-rank run, placing every rank's pieces is a collective, so this rank
         describes what its own metadata tells (tensors, matrices, scales) and says "planned at the first
         step" for the homes and the per-rank costs.  ``all_ranks=True``, called on every rank, binds
-        now and gives the exact plan (see :mod:`ds_muon.engine.summary`)."""
+        now and gives the exact plan (see :mod:`ds_muon.engine.report.summary`)."""
         check_boolean(all_ranks, "all_ranks")
         if all_ranks or not self._binding_is_collective():
             return summarize(self)

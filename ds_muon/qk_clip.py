@@ -10,7 +10,7 @@ largest pre-softmax logit since the step before, ``S_max^h``, exceeded ``tau`` h
   included; the step that reads them starts the next window), and reduced over the ranks with one
   ``all_reduce(MAX)`` of every head's maximum, concatenated, per step, in the optimizer's process group.
 * The rows are scaled on each rank's own pieces, as the optimizer's layout describes them (the
-  :class:`~ds_muon.engine.layout.MatrixSlot` pieces of each binding): a DTensor's local shard (FSDP2), a
+  :class:`~ds_muon.engine.exchange.layout.MatrixSlot` pieces of each binding): a DTensor's local shard (FSDP2), a
   flat parameter (FSDP1), DeepSpeed's fp32 partition (before DeepSpeed copies it into the model), a
   replica (DDP).  No weight is gathered; every rank multiplies the same elements by the same fp32 factors,
   so a sharded run stays bitwise equal to one process.
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .engine.layout import global_shape, is_flat_shard, local_data
-from .engine.slots import logical_blocks, strided_blocks
-from .engine.tag_keys import BLOCKS, is_tagged
+from .engine.exchange.layout import global_shape, is_flat_shard, local_data
+from .engine.exchange.slots import logical_blocks, strided_blocks
+from .engine.exchange.tag_keys import BLOCKS, is_tagged
 from .models.attention_logits import LogitRecorder
 from .models.fused import READERS
 from .rules.qk_clip import clip_gammas, head_scales, mla_row_factors, piece_factors, row_factors

@@ -341,9 +341,9 @@ TRIPLES = ((3.4445, -4.7750, 2.0315), (3.7418, -5.5913, 2.3037), (2.8366, -3.052
 
 
 def draw_settings(rng: random.Random, stack: Stack) -> Settings:
-    from ds_muon.engine.groups import WEIGHT_DECAY_MODES
+    from ds_muon.engine.agreement.settings import WEIGHT_DECAY_MODES
     from ds_muon.rules.newton_schulz import NS_METHODS
-    from ds_muon.engine.planner import STRATEGIES
+    from ds_muon.engine.plan.planner import STRATEGIES
     from ds_muon.rules.scaling import SCALE_MODES
 
     coeff = rng.choice(COEFFICIENTS)

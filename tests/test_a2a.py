@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine.layout import ParamBinding, slots_in_range
-from ds_muon.engine.planner import CostModel
+from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
+from ds_muon.engine.plan.planner import CostModel
 
 import dist_harness
 from models import HandAdapter

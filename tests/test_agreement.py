@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine import agreement
-from ds_muon.engine.planner import CostModel
+from ds_muon.engine.agreement import check as agreement
+from ds_muon.engine.plan.planner import CostModel
 
 import dist_harness
 import test_ns_kernels
@@ -30,7 +30,7 @@ def test_hashes_differ_exactly_when_contributions_differ():
 
 
 def test_copies_group_the_ranks_with_equal_keys():
-    from ds_muon.engine.copies import holders
+    from ds_muon.engine.exchange.copies import holders
 
     assert holders([5, None, 5, 7, 7, 9]) == [[0, 2], [3, 4]]  # a key held once is no copy
     assert holders([None, None]) == [] and holders([1, 2, 3]) == []

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ds_muon import cli
-from ds_muon.engine import costs
-from ds_muon.engine.planner import CostModel, MatrixTask, plan_homes
+from ds_muon.engine.plan import costs
+from ds_muon.engine.plan.planner import CostModel, MatrixTask, plan_homes
 
 
 def test_plan_preset_json_all_strategies(capsys):
@@ -152,7 +152,7 @@ def test_mesh_auto_row_is_the_optimizers_plan():
     """The mesh table's "auto" row plans on the optimizer's input: the holdings and replica groups an HSDP
     2x2 layout gives the planner (as tests/test_mesh_plan.py's), so bytes between replica groups
     follow the cost model exactly as in the optimizer."""
-    from ds_muon.engine.planner import plan_multi_homes, replica_groups
+    from ds_muon.engine.plan.planner import plan_multi_homes, replica_groups
 
     n = 1024
     tasks = costs.mesh_tasks([(n, n)] * 4, "hsdp", 2, 2)
@@ -175,7 +175,7 @@ def test_bad_mesh_names_the_flag(spec):
 def test_auto_row_is_the_optimizers_plan():
     """`--strategies auto` counts plan_multi_homes' homes: duplication for a small DDP model, where
     one home per matrix must send every result to W-1 ranks."""
-    from ds_muon.engine.planner import plan_multi_homes, rank_seconds
+    from ds_muon.engine.plan.planner import plan_multi_homes, rank_seconds
 
     shapes = [(768, 768)] * 8 + [(3072, 768)] * 4
     cm = CostModel()

@@ -219,7 +219,7 @@ def test_integer_dtypes_refused(key):
 
 def test_step_settings_check_is_cheap():
     """The per-step settings check costs a few microseconds per group."""
-    from ds_muon.engine.groups import check_settings as _check_settings
+    from ds_muon.engine.agreement.settings import check_settings as _check_settings
 
     opt = build(mlp())
     n = 2000

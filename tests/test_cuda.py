@@ -399,14 +399,14 @@ def test_deferred_update_ordered_before_fsdp_gather_streams(stack):
         assert equal, "FSDP's gather stream read the shard before the deferred update landed"
 
 
-# -- optimizer-state offload: state on the host, NS on the GPU (ds_muon.engine.offload) ---------------------
+# -- optimizer-state offload: state on the host, NS on the GPU (ds_muon.engine.memory.offload) ---------------------
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 def test_offload_pipelined_ns_matches_device_ns(ns_dtype):
     """A host stack run through the H2D/NS/D2H pipeline in chunks equals NS on the whole stack on the
     GPU (close; cuBLAS may pick other kernels for other batch sizes), with device scratch memory
     within the stated bound."""
-    from ds_muon.engine.compile import NSSettings
-    from ds_muon.engine.offload import run_ns, scratch_bytes
+    from ds_muon.engine.plan.compile import NSSettings
+    from ds_muon.engine.memory.offload import run_ns, scratch_bytes
 
     ns = NSSettings(5, "keller", ns_dtype, 1e-7, "standard")
     stack = torch.randn(12, 256, 512, generator=torch.Generator().manual_seed(0))

@@ -371,7 +371,7 @@ def _team_opts(mode):
 
 def _team_worker(rank, world):
     """test_team_ns's uneven flat partitions (matrices split across both ranks), the planner forced to team."""
-    from ds_muon.engine.layout import ParamBinding, slots_in_range
+    from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
     from models import HandAdapter
     from test_team_ns import _flat_partition, _grads
 

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine.layout import ParamBinding, slots_in_range
+from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
 
 import dist_harness
 from models import HandAdapter
@@ -67,7 +67,7 @@ def _active_subsets_worker(rank, world):
 def test_changing_active_sets_keep_compiled_exchanges_bounded():
     """A new set of tensors with gradients every step: the compiled exchanges (and the bytes
     their buffers hold) stay bounded by a few sets per layout; results stay bitwise."""
-    from ds_muon.engine.compile import EXCHANGES_PER_LAYOUT
+    from ds_muon.engine.plan.compile import EXCHANGES_PER_LAYOUT
 
     with dist_harness.one_thread():
         mats = [nn.Parameter(m) for m in _initial()[0]]

@@ -1,5 +1,5 @@
-"""The step keeps views and buffers across steps to save host time per matrix (ds_muon.engine.pieces,
-ds_muon.engine.extremes); these tests check that what it keeps never goes stale: a parameter or momentum
+"""The step keeps views and buffers across steps to save host time per matrix (ds_muon.engine.exchange.pieces,
+ds_muon.engine.agreement.extremes); these tests check that what it keeps never goes stale: a parameter or momentum
 buffer whose storage is replaced between steps gets new views, and the bulk (min, max) equals
 ``torch.aminmax`` tensor by tensor, NaN and ±inf included."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine import extremes
+from ds_muon.engine.agreement import extremes
 
 
 def _model(seed: int) -> nn.Module:
@@ -93,7 +93,7 @@ class _ConvNet(nn.Module):
 def _conv_run(whole: bool, monkeypatch):
     """Params after 3 steps; ``whole=False`` cuts every piece from the binding's flat view
     (the generic path), as a reference for tensors that stand for their own piece."""
-    from ds_muon.engine import pieces
+    from ds_muon.engine.exchange import pieces
 
     with monkeypatch.context() as m:
         if not whole:

@@ -1,6 +1,6 @@
 """The layout: what each rank holds of each matrix, and the checks that a stack described it right.
 
-Single-process unit tests of :mod:`ds_muon.engine.layout`; the multi-rank layouts are exercised end to end
+Single-process unit tests of :mod:`ds_muon.engine.exchange.layout`; the multi-rank layouts are exercised end to end
 by the per-stack tests and tests/test_sharded_engine.py.
 """
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ds_muon.engine.layout import MatrixInfo, MatrixSlot, ParamBinding, Piece, _check_cover, build_layout, global_shape
-from ds_muon.engine.layout import matrix_shape, slots_in_range
+from ds_muon.engine.exchange.layout import MatrixInfo, MatrixSlot, ParamBinding, Piece, _check_cover, build_layout, global_shape
+from ds_muon.engine.exchange.layout import matrix_shape, slots_in_range
 
 
 def test_slots_in_range_cut_matrices_laid_end_to_end():

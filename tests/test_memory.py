@@ -13,9 +13,9 @@ from torch import nn
 
 import dist_harness
 import ds_muon
-from ds_muon.engine.budget import ChunkedNS, split_by_bytes
-from ds_muon.engine.compile import ns_settings
-from ds_muon.engine.lending import full_bytes, give_back, take
+from ds_muon.engine.memory.budget import ChunkedNS, split_by_bytes
+from ds_muon.engine.plan.compile import ns_settings
+from ds_muon.engine.memory.lending import full_bytes, give_back, take
 from memory_probe import held_bytes, optimizers, peak_bytes
 
 LIMIT = 1.1  # the goal: at most 10 % over torch
@@ -65,7 +65,7 @@ D = 128  # W=2: matrices of D², each rank holds 4 (DDP) or half of each (FSDP2)
 def _smallest_budget():
     """Every budget down to one matrix: one-process waves of one matrix, NS one matrix at a time,
     each rank's Nesterov inputs one piece (of the largest matrix's size) at a time."""
-    import ds_muon.engine.budget as budget
+    import ds_muon.engine.memory.budget as budget
 
     budget.FLOOR_BYTES, budget.STATE_FRACTION = 0, 1 << 60
 
@@ -73,7 +73,7 @@ def _smallest_budget():
 def _ranks_worker(rank, world):
     import test_sharded_engine as engine
 
-    from ds_muon.engine.exchange import Exchange
+    from ds_muon.engine.exchange.all_to_all import Exchange
 
     _smallest_budget()
     fills, fill = [], Exchange.gather_fill
@@ -126,12 +126,12 @@ def test_ranks_hold_their_state_only():
 
 class _budget_restored:
     def __enter__(self):
-        import ds_muon.engine.budget as budget
+        import ds_muon.engine.memory.budget as budget
 
         self.saved = budget.FLOOR_BYTES, budget.STATE_FRACTION
 
     def __exit__(self, *exc):
-        import ds_muon.engine.budget as budget
+        import ds_muon.engine.memory.budget as budget
 
         budget.FLOOR_BYTES, budget.STATE_FRACTION = self.saved
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import ds_muon
-from ds_muon.engine.planner import CostModel, MatrixTask, pair_traffic, plan_multi_homes, replica_groups
+from ds_muon.engine.plan.planner import CostModel, MatrixTask, pair_traffic, plan_multi_homes, replica_groups
 
 import dist_harness
 from test_mesh import DTYPES, OPTS, GatedMLP, _check_parity, _ns_work, _wrap, record

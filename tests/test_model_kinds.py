@@ -217,7 +217,7 @@ def test_jetmoe_routers_adamw_experts_and_kv_apart():
 def test_split_fused_false_keeps_fused_weights_whole():
     model = MORE_FAMILIES["phi3"]()
     ds_muon.muon_param_groups(model, split_fused=False)
-    assert ds_muon.engine.slots.logical_blocks(model.model.layers[0].self_attn.qkv_proj.weight, "w") == [("w", (64, 32), 0)]
+    assert ds_muon.engine.exchange.slots.logical_blocks(model.model.layers[0].self_attn.qkv_proj.weight, "w") == [("w", (64, 32), 0)]
     with pytest.raises(ValueError, match="split_fused"):
         ds_muon.muon_param_groups(MORE_FAMILIES["phi3"](), split_fused="no")
 
@@ -226,11 +226,11 @@ def test_split_attention_heads_on_hf_attention():
     model = FAMILIES["llama"]()
     opt = ds_muon.Muon(_groups(model, split_attention="heads"))
     keys = {s.key for b in opt._bindings.values() for s in b.matrices} if opt._bindings else set()
-    blocks = ds_muon.engine.slots.logical_blocks(model.model.layers[0].self_attn.k_proj.weight, "k")
+    blocks = ds_muon.engine.exchange.slots.logical_blocks(model.model.layers[0].self_attn.k_proj.weight, "k")
     assert [k for k, _, _ in blocks] == ["k[0]", "k[1]"] and blocks[0][1] == (8, 32), (blocks, keys)
     gpt2 = FAMILIES["gpt2"]()
     _groups(gpt2, split_attention="heads")
-    assert len(ds_muon.engine.slots.logical_blocks(gpt2.transformer.h[0].attn.c_attn.weight, "c")) == 12
+    assert len(ds_muon.engine.exchange.slots.logical_blocks(gpt2.transformer.h[0].attn.c_attn.weight, "c")) == 12
 
 
 def test_exclude_include_globs_shown_in_summary():
@@ -290,8 +290,8 @@ FLAT_CASES = {  # name: (shape, tag)
 
 
 def _flat_cut(rank, world):
-    from ds_muon.engine.layout import ParamBinding
-    from ds_muon.engine.slots import block_slots
+    from ds_muon.engine.exchange.layout import ParamBinding
+    from ds_muon.engine.exchange.slots import block_slots
     from models import HandAdapter
 
     out = {}

@@ -129,7 +129,7 @@ def _tiny_gpt_oss():
 def test_transposed_interleaved_gate_up_splits_by_default_and_user_tag_wins():
     model = _tiny_gpt_oss()
     ds_muon.muon_param_groups(model)  # issue 24: gate and up read as interleaved columns (was: raised)
-    assert [k for k, _, _ in ds_muon.engine.slots.logical_blocks(model.model.layers[0].mlp.experts.gate_up_proj, "g")][:2] \
+    assert [k for k, _, _ in ds_muon.engine.exchange.slots.logical_blocks(model.model.layers[0].mlp.experts.gate_up_proj, "g")][:2] \
         == ["g[0][gate]", "g[0][up]"]
     model = _tiny_gpt_oss()
     experts = model.model.layers[0].mlp.experts

@@ -547,7 +547,7 @@ def _team_worker(rank, world):
     the teams the plan made and this rank's result."""
     from models import HandAdapter
     from test_team_ns import _flat_partition, _grads, _opts
-    from ds_muon.engine.layout import ParamBinding, slots_in_range
+    from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
 
     mats, offsets, lo, hi = _flat_partition(rank, world)
     out = {}

@@ -127,8 +127,8 @@ def test_a_step_at_any_gradient_scale_gives_the_same_update(dtype):
 
 
 def _team_worker(rank, world, cases):
-    from ds_muon.engine.compile import NSSettings
-    from ds_muon.engine.team import team_bounds, team_newton_schulz
+    from ds_muon.engine.plan.compile import NSSettings
+    from ds_muon.engine.plan.team import team_bounds, team_newton_schulz
 
     out = []
     for seed, m, n, scale, dtype, eps in cases:

@@ -71,7 +71,7 @@ DS_CASES = [(1, "float32", False, 0.0), (1, "bfloat16", False, 1.0), (2, "bfloat
 def _chunks_recorded():
     """Run NS on offloaded stacks one matrix per chunk (the pipeline's chunk loop, on the host here),
     recording (matrices in the stack, matrices per chunk) of each NS call."""
-    from ds_muon.engine import offload
+    from ds_muon.engine.memory import offload
 
     offload.SCRATCH_BYTES = 1
     seen = []
@@ -184,8 +184,8 @@ def test_config_a_deepspeed_user_writes():
 # -- the NS pipeline's chunk loop (on the host here; tests/test_cuda.py runs it on a GPU) --------
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 def test_chunked_ns_bitwise_equals_whole_stack(ns_dtype):
-    from ds_muon.engine.compile import NSSettings
-    from ds_muon.engine.offload import chunk_matrices, run_ns, scratch_bytes
+    from ds_muon.engine.plan.compile import NSSettings
+    from ds_muon.engine.memory.offload import chunk_matrices, run_ns, scratch_bytes
 
     ns = NSSettings(5, "keller", ns_dtype, 1e-7, "standard")
     g = torch.Generator().manual_seed(0)
@@ -201,7 +201,7 @@ def test_chunked_ns_bitwise_equals_whole_stack(ns_dtype):
 
 
 def test_host_state_and_exchange_device_without_accelerator():
-    from ds_muon.engine.offload import accelerator, exchange_device, host_state
+    from ds_muon.engine.memory.offload import accelerator, exchange_device, host_state
 
     t = torch.zeros(3, 3)
     assert not host_state(t) and host_state(t, offload=True)
@@ -301,8 +301,8 @@ def test_plan_models_offload_pcie_traffic(capsys):
     import json
 
     from ds_muon import cli
-    from ds_muon.engine import costs
-    from ds_muon.engine.planner import CostModel, MatrixTask, host_traffic, plan_homes
+    from ds_muon.engine.plan import costs
+    from ds_muon.engine.plan.planner import CostModel, MatrixTask, host_traffic, plan_homes
 
     tasks = [MatrixTask(64, 32, held=(2048, 0)), MatrixTask(32, 32, held=(512, 512)), MatrixTask(16, 64, held=(0, 1024))]
     assert host_traffic(tasks, 2) == [2 * 2 * (2048 + 512), 2 * 2 * (512 + 1024)]

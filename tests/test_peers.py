@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ds_muon
-from ds_muon.engine.timeouts import flattened_group, timeout_of
+from ds_muon.engine.agreement.timeouts import flattened_group, timeout_of
 
 import dist_harness
 

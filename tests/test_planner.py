@@ -6,9 +6,9 @@ import random
 import numpy as np
 import pytest
 
-from ds_muon.engine.costs import ns_lower_bound
+from ds_muon.engine.plan.costs import ns_lower_bound
 from ds_muon.rules.newton_schulz import ns_flops
-from ds_muon.engine.planner import CostModel, MatrixTask, gather_traffic, plan_homes, task_traffic
+from ds_muon.engine.plan.planner import CostModel, MatrixTask, gather_traffic, plan_homes, task_traffic
 
 
 def gpt_shapes(layers=12, d=768):
@@ -162,7 +162,7 @@ def test_traffic_by_hand():
 
 def test_hierarchical_links_and_env(monkeypatch):
     """Bytes between ranks of one node go at the intra-node rate, the rest at the inter-node rate."""
-    from ds_muon.engine.planner import rank_seconds, ranks_per_node_from_env
+    from ds_muon.engine.plan.planner import rank_seconds, ranks_per_node_from_env
 
     flat = CostModel(bytes_per_s=1e9)
     two = CostModel(bytes_per_s=1e9, intra_bytes_per_s=8e9, ranks_per_node=2)
@@ -186,7 +186,7 @@ def test_default_rates_follow_the_device_ns_runs_on():
     import torch
 
     from ds_muon import Muon
-    from ds_muon.engine import costs
+    from ds_muon.engine.plan import costs
 
     cpu, gpu = CostModel.for_device("cpu"), CostModel.for_device("cuda")
     assert gpu == CostModel() and cpu.flops_per_s / cpu.bytes_per_s < gpu.flops_per_s / gpu.bytes_per_s / 10
@@ -209,7 +209,7 @@ def test_dense_costs_equal_the_dict_formulas():
     """The planner weighs moves on dense per-rank vectors (``_Costs``, ``_home_seconds``), with a closed
     form where the homes hold the matrix whole (DDP); they must equal :func:`rank_seconds` and
     ``CostModel.seconds`` of :func:`task_traffic` exactly, rank for rank, or plans would drift."""
-    from ds_muon.engine.planner import _Costs, _home_seconds, rank_seconds, replica_groups
+    from ds_muon.engine.plan.planner import _Costs, _home_seconds, rank_seconds, replica_groups
 
     world = 6
     tasks = [MatrixTask(48, 32, 5, 2, (48 * 32,) * world),  # DDP: whole everywhere

@@ -634,7 +634,7 @@ def test_head_scales_keep_every_head_at_most_tau_generated():
 def test_row_runs_equal_the_indexed_path_generated():
     """The row-by-row multiply of a contiguous piece (partial first row, whole rows, partial last row) and the
     general path (an index per element) give the same bits, over seeded shapes, offsets and lengths."""
-    from ds_muon.engine.layout import MatrixSlot, ParamBinding, Piece
+    from ds_muon.engine.exchange.layout import MatrixSlot, ParamBinding, Piece
     from ds_muon.qk_clip import _multiply, _multiply_rows
     from ds_muon.rules.qk_clip import piece_factors
 

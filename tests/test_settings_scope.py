@@ -1,7 +1,7 @@
 """A setting that does nothing is an error: a census over (group key, group kind, door).
 
 Every group key acts on Muon groups (``use_muon=True``), on AdamW groups (``use_muon=False``) or on
-both (the table below is the spec, written here independently of ds_muon.engine.groups).  Given where
+both (the table below is the spec, written here independently of ds_muon.engine.agreement.settings).  Given where
 it acts, a key is accepted and lands there; given where it does nothing, it is refused with a
 ValueError naming the group and the key, and nothing changes.  Doors: a group dict at construction,
 ``add_param_group``, ``load_state_dict`` of a saved group carrying it, an edit of ``param_groups``

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine.layout import ParamBinding, slots_in_range
+from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
 
 import dist_harness
 from models import HandAdapter

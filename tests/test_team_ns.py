@@ -1,4 +1,4 @@
-"""Team Newton–Schulz (ds_muon.engine.team): one matrix orthogonalized by several ranks in column blocks.
+"""Team Newton–Schulz (ds_muon.engine.plan.team): one matrix orthogonalized by several ranks in column blocks.
 
 Not bitwise equal to one process (the members' products are summed in another order), so these
 tests bound it instead: against float64 NS and against the one-home result, in fp32 and bf16, at
@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine.layout import Piece, ParamBinding, slots_in_range
-from ds_muon.engine.planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, team_seconds
-from ds_muon.engine.team import block_shape, segments, team_bounds
+from ds_muon.engine.exchange.layout import Piece, ParamBinding, slots_in_range
+from ds_muon.engine.plan.planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, team_seconds
+from ds_muon.engine.plan.team import block_shape, segments, team_bounds
 
 import dist_harness
 from models import HandAdapter
@@ -88,7 +88,7 @@ def test_planner_teams_the_matrix_that_bounds_the_step_where_it_pays():
 
 
 def plan_step(tasks, world, cm, homes):
-    from ds_muon.engine.planner import _Costs
+    from ds_muon.engine.plan.planner import _Costs
     costs = _Costs(tasks, world, cm)
     return sum(costs(i, tuple(h)) for i, h in enumerate(homes)).max()
 
@@ -236,10 +236,10 @@ def test_team_step_within_the_bound_of_one_home_and_float64(world):
 
 
 def test_team_ns_setting_is_checked_carried_and_in_the_plan_table():
-    from ds_muon.engine import costs
+    from ds_muon.engine.plan import costs
 
     p = nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(ValueError, match="team_ns"):  # the keyword booleans' check (ds_muon.engine.groups)
+    with pytest.raises(ValueError, match="team_ns"):  # the keyword booleans' check (ds_muon.engine.agreement.settings)
         ds_muon.Muon([p], team_ns="yes")
     import copy
     assert copy.deepcopy(ds_muon.Muon([p], team_ns=False)).team_ns is False
@@ -264,8 +264,8 @@ def _generated(seed, m, n, kind, scale):
 
 
 def _generated_worker(rank, world, cases):
-    from ds_muon.engine.compile import NSSettings
-    from ds_muon.engine.team import team_newton_schulz
+    from ds_muon.engine.plan.compile import NSSettings
+    from ds_muon.engine.plan.team import team_newton_schulz
 
     out = []
     for seed, m, n, kind, scale, dtype in cases:

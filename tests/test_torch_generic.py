@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import dist_harness
 import ds_muon
-from ds_muon.engine.groups import acts_on
+from ds_muon.engine.agreement.settings import acts_on
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -93,7 +93,7 @@ def muon(params, **kwargs):
     if params and isinstance(params[0], dict):
         groups = [dict(g, use_muon=all(_is_matrix(p) for p in g["params"])) for g in params]
         # torch's group kwargs are its Muon's: a group turned AdamW keeps those that act there (one that
-        # does nothing on an AdamW group is refused: ds_muon.engine.groups.SCOPE)
+        # does nothing on an AdamW group is refused: ds_muon.engine.agreement.settings.SCOPE)
         groups = [g if g["use_muon"] else {k: v for k, v in g.items() if acts_on(k, False)} for g in groups]
     else:
         groups = [{"params": [p for p in params if _is_matrix(p)]},

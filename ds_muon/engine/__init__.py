@@ -1,20 +1,15 @@
 """The engine: where each matrix lives, and how one step moves it to its home and back.
 
 Nothing here knows a training stack or a model; adapters (:mod:`ds_muon.integrations`) describe the
-pieces, the rules (:mod:`ds_muon.rules`) do the maths.  In the order a step meets them:
+pieces, the rules (:mod:`ds_muon.rules`) do the maths.  One subpackage per stage, each importing
+only the stages below it (``tools/import_graph.py`` checks), bottom up:
 
-* settings and state: :mod:`.groups` (group defaults and validation), :mod:`.state_check`;
-* the check: :mod:`.agreement` (the step's one small all_reduce and what it decides), with
-  :mod:`.identity` (which optimizer steps what), :mod:`.copies` (replicas that must agree) and
-  :mod:`.extremes`;
-* layout: :mod:`.layout` (pieces per rank, the vocabulary every package speaks), :mod:`.slots` and
-  :mod:`.tag_keys` (tags → matrix slots);
-* plan: :mod:`.compile` → :mod:`.planner` (homes against traffic, the cost model), :mod:`.costs` (the
-  planner's numbers per strategy, ``ds-muon plan``), :mod:`.timeouts` (the exchange's own groups);
-* exchange: :mod:`.exchange` (one all_to_all each way), :mod:`.pieces` (a rank's pieces of one layout),
-  :mod:`.team` (one matrix's NS across a team of ranks);
-* rule state: :mod:`.row_moments` (NorMuon's second moment: at home after NS, shared with every rank);
-* memory: :mod:`.lending`, :mod:`.budget`, :mod:`.offload` (host-held state);
-* overlap: :mod:`.overlap` (gathers from backward, updates in forward);
-* reporting: :mod:`.summary`, :mod:`.summary_file`.
+* :mod:`.memory` — budgets, lent buffers, host-held state;
+* :mod:`.exchange` — layouts (the pieces of every matrix), routes, the fused all_to_all each way;
+* :mod:`.agreement` — settings, state checks and the step's one all_reduce, before anything is written;
+* :mod:`.plan` — homes, teams and waves, compiled once per set of active matrices;
+* :mod:`.overlap` — gathers from backward, updates in the next forward;
+* :mod:`.report` — ``summary()``;
+* :mod:`.moved` — the old module paths (one release more, with a DeprecationWarning);
+* :mod:`.runtime` — one step through the stages, in order (what ``Muon.step`` runs).
 """

@@ -1,7 +1,7 @@
 """One adapter per training stack; each only *describes* where shards live.
 
 An adapter (:class:`~ds_muon.integrations.base.StackAdapter`) maps one tensor the
-optimizer steps to a :class:`~ds_muon.engine.layout.ParamBinding`:
+optimizer steps to a :class:`~ds_muon.engine.exchange.layout.ParamBinding`:
 
 * :mod:`.local` — no wrapper or DDP (every rank holds every matrix), and
   tensor-parallel shards;

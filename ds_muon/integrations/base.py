@@ -1,7 +1,7 @@
 """The adapter protocol: how a training stack tells the optimizer where each matrix lives.
 
 An adapter only *describes*: given one tensor the optimizer steps, it returns a
-:class:`~ds_muon.engine.layout.ParamBinding` (which logical matrices the tensor holds,
+:class:`~ds_muon.engine.exchange.layout.ParamBinding` (which logical matrices the tensor holds,
 which piece of each this rank has, in which process group).  The engine does the
 rest, the same way for every stack.  An adapter never sees the optimizer: what it
 may know about a tensor besides the tensor itself is a :class:`BindContext`.
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.layout import ParamBinding
+from ..engine.exchange.layout import ParamBinding
 
 HOW_TO_BIND = (
     "build the engine with ds_muon.deepspeed.initialize(model=..., config=...) (config entry "

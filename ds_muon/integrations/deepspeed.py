@@ -4,7 +4,7 @@ DeepSpeed wraps the client optimizer and replaces the tensors in its
 ``param_groups`` with flat fp32 partitions (one per param group, or per ZeRO-3
 sub-group) before calling ``step()``.  :func:`bind` attaches a :class:`DeepSpeedAdapter` to the
 :class:`~ds_muon.Muon` inside an engine; it maps each such partition to a
-:class:`~ds_muon.engine.layout.ParamBinding`:
+:class:`~ds_muon.engine.exchange.layout.ParamBinding`:
 
 * ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``: every
   low-precision parameter of the group carries ``_hp_mapping`` (None when the
@@ -22,10 +22,10 @@ sub-group) before calling ``step()``.  :func:`bind` attaches a :class:`DeepSpeed
 With ``offload_optimizer: {device: cpu}`` the same partitions (and their ``.grad``) live in
 host memory and DeepSpeed still steps them through the client optimizer: the metadata read
 is the same, and the adapter's ``offload`` tells the engine that the NS work should move to
-the accelerator (:mod:`ds_muon.engine.offload`).  NVMe and partial offload are refused.
+the accelerator (:mod:`ds_muon.engine.memory.offload`).  NVMe and partial offload are refused.
 
 Nothing here computes offsets of its own: a misdescribed partition would fail
-in :func:`~ds_muon.engine.layout.build_layout`, not corrupt the update.  DeepSpeed copies
+in :func:`~ds_muon.engine.exchange.layout.build_layout`, not corrupt the update.  DeepSpeed copies
 the partitions into the model's parameters right after ``step()``, so results are
 applied inside it (``applies_in_step``) and no gradient is final before DeepSpeed's
 own reduction.
@@ -37,9 +37,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..engine.layout import MatrixSlot, ParamBinding, Piece
-from ..engine.slots import block_slots
-from ..engine.tag_keys import TENSOR_PARALLEL, is_tagged, is_transposed
+from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
+from ..engine.exchange.slots import block_slots
+from ..engine.exchange.tag_keys import TENSOR_PARALLEL, is_tagged, is_transposed
 from .base import HOW_TO_BIND, BindContext
 from .local import bind_replicated
 

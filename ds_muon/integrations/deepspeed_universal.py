@@ -42,7 +42,7 @@ def _flat_keys(state: dict, flat: torch.Tensor) -> List[str]:
     return keys + ([STEP] if STEP in state else [])
 
 
-MOMENT = "normuon_v"  # NorMuon's second moment (ds_muon.engine.row_moments): whole per matrix, not per element
+MOMENT = "normuon_v"  # NorMuon's second moment (ds_muon.engine.exchange.row_moments): whole per matrix, not per element
 MOMENTS_DIR = "normuon_v"  # beside zero/: one file per flat partition (ZeRO-1/2 group, ZeRO-3 sub-group)
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.layout import ParamBinding, global_shape
-from ..engine.tag_keys import TENSOR_PARALLEL
+from ..engine.exchange.layout import ParamBinding, global_shape
+from ..engine.exchange.tag_keys import TENSOR_PARALLEL
 from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .fsdp1 import Fsdp1Adapter, is_flattened_by_fsdp1
 from .fsdp2 import Fsdp2Adapter, is_dtensor
@@ -65,7 +65,7 @@ def default_adapter() -> DefaultAdapter:
 
 def _holds_flat_matrices(p: torch.Tensor) -> bool:
     """Flat shards that hold matrices although they are 1-D (FSDP1 FlatParameter and views, ZeRO partitions).
-    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`~ds_muon.engine.layout.global_shape`)."""
+    A ZeRO-3 parameter is not one: its real shape is ``ds_shape`` (:func:`~ds_muon.engine.exchange.layout.global_shape`)."""
     return hasattr(p, "_fqns") or getattr(p, FLAT_PARTITION, False) or getattr(p, "_fsdp_flattened", False)
 
 

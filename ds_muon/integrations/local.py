@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.layout import MatrixSlot, ParamBinding, Piece
-from ..engine.slots import block_slots, tp_slots
-from ..engine.tag_keys import TENSOR_PARALLEL, domain_of, is_tagged, is_transposed
+from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
+from ..engine.exchange.slots import block_slots, tp_slots
+from ..engine.exchange.tag_keys import TENSOR_PARALLEL, domain_of, is_tagged, is_transposed
 from .base import BindContext, single_process
 
 
@@ -34,7 +34,7 @@ def bind_replicated(param: torch.Tensor, name: str, group=None) -> ParamBinding:
     """Each rank of ``group`` holds the full tensor, ``[0, numel)`` of its flattening.
 
     A :func:`~ds_muon.domain` tag replaces ``group``; split-row and expert tags make
-    one slot per logical matrix (see :mod:`ds_muon.engine.slots`).
+    one slot per logical matrix (see :mod:`ds_muon.engine.exchange.slots`).
     """
     group = domain_of(param, group)
     if getattr(param, TENSOR_PARALLEL, None) is not None:

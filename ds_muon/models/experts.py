@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from ..engine.layout import global_shape
-from ..engine.tag_keys import EXPERTS
+from ..engine.exchange.layout import global_shape
+from ..engine.exchange.tag_keys import EXPERTS
 from .tags import expert_weight, split_rows, transposed
 
 EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_gate")  # set by @use_experts_implementation

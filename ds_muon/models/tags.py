@@ -4,7 +4,7 @@ a tensor's replicas live in.
 
 Tags are attributes on the tensor, so they survive being put into param groups;
 each helper returns the tensor it tagged.  Adapters turn them into matrix slots
-through :mod:`ds_muon.engine.slots`; the optimizer reads :func:`domain_of`.  What each
+through :mod:`ds_muon.engine.exchange.slots`; the optimizer reads :func:`domain_of`.  What each
 stack supports is in ``docs/ADVANCED.md``.
 
 * :func:`split_rows` — the rows of a weight are independent matrices (a fused
@@ -31,8 +31,8 @@ from typing import Dict, Optional, Sequence, Union
 
 import torch
 
-from ..engine.layout import global_shape
-from ..engine.tag_keys import BLOCKS, DOMAIN, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, TRANSPOSED
+from ..engine.exchange.layout import global_shape
+from ..engine.exchange.tag_keys import BLOCKS, DOMAIN, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, TRANSPOSED
 
 
 def _what(param) -> str:

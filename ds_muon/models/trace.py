@@ -35,7 +35,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..engine.layout import global_shape
+from ..engine.exchange.layout import global_shape
 
 MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "grouped_mm")
 COMPANION_CAP = 1 << 21  # elements of a companion tensor (int32): beyond, splits of that output are not read

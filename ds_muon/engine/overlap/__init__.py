@@ -1,7 +1,7 @@
 """Overlap (``Muon(..., overlap=True, model=model)``): the step's communication hidden
 behind the training loop, always bitwise equal to ``overlap=False``.
 
-* waves (:func:`ds_muon.engine.compile.split_waves`): each layout's exchange is cut into runs
+* waves (:func:`ds_muon.engine.plan.compile.split_waves`): each layout's exchange is cut into runs
   of about equal NS work, so NS of one wave runs while the next travels;
 * gathers sent from backward (:mod:`.backward`), where a parameter's gradient is
   final when its hook fires (FSDP2, one process);

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..layout import local_shard
+from ..exchange.layout import local_shard
 
 
 @dataclass

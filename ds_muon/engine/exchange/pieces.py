@@ -11,7 +11,7 @@ parameters and momentum buffers, checked every step by the address of each local
 piece that is all of a contiguous local tensor uses the tensor itself (no view), others
 are cut from the binding's flat view.  Nesterov's inputs are written into a kept buffer
 whose flat views the exchange reads, instead of new tensors every step; its memory is lent
-only until the exchange has copied them (:mod:`~ds_muon.engine.lending`), and only the pieces the
+only until the exchange has copied them (:mod:`~ds_muon.engine.memory.lending`), and only the pieces the
 exchange reads get one (a replica's piece of a matrix homed elsewhere is not sent).
 """
 
@@ -22,9 +22,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..rules.update import apply_coefficients, apply_result, ns_input
+from ...rules.update import apply_coefficients, apply_result, ns_input
 from .layout import _DTENSOR_OR_NONE as _DTENSOR, Layout, ParamBinding, matrix_shape
-from .lending import give_back, take
+from ..memory.lending import give_back, take
 
 
 class WavePieces:
@@ -267,7 +267,7 @@ class WavePieces:
 
 
 def _locals(ts: List[torch.Tensor]) -> List[torch.Tensor]:
-    """:func:`~ds_muon.engine.layout.local_data` of each (inline: a call per tensor costs more)."""
+    """:func:`~ds_muon.engine.exchange.layout.local_data` of each (inline: a call per tensor costs more)."""
     return [t._local_tensor if isinstance(t, _DTENSOR) else t for t in ts]
 
 
@@ -279,7 +279,7 @@ def _cut(b: ParamBinding, t: torch.Tensor, off: int, n: int, view=None) -> torch
 
 
 def _strided(flat: torch.Tensor, off: int, view) -> torch.Tensor:
-    """A strided piece (:attr:`~ds_muon.engine.layout.MatrixSlot.local_view`) of a flat local tensor, as a view."""
+    """A strided piece (:attr:`~ds_muon.engine.exchange.layout.MatrixSlot.local_view`) of a flat local tensor, as a view."""
     sizes, strides = view
     return flat.as_strided(sizes, strides, flat.storage_offset() + off)
 

@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..rules.normuon import neurons, normalize
+from ...rules.normuon import neurons, normalize
 from .layout import Layout, MatrixSlot, ParamBinding
 
 KEY = "normuon_v"

@@ -10,7 +10,7 @@ A = X·Xᵀ = Σ_j X_j·X_jᵀ over column blocks X_j, so a team of k ranks can 
 
 and the Frobenius normalisation all-reduces one sum of squares first.  This is the distributed
 NS of TransformerEngine's and Dion's Muon (there over tensor-parallel shards; here over the ranks the
-planner picks, :func:`~ds_muon.engine.planner.plan_teams`).  A tall matrix (rows > cols) is X = Gᵀ, so its
+planner picks, :func:`~ds_muon.engine.plan.planner.plan_teams`).  A tall matrix (rows > cols) is X = Gᵀ, so its
 blocks are row blocks of G (contiguous); a wide one's are column blocks of G.
 
 It is **not** bitwise equal to one process: the partial products are summed in another order
@@ -21,7 +21,7 @@ bound and ``tests/test_team_ns.py`` checks it against float64 NS and against the
 :class:`TeamExchange` moves each member its block straight from the ranks that hold the pieces
 (one all_to_all), and each holder its piece of the result straight from the members (one more),
 with the same ``gather_start / gather_finish / scatter_start / scatter_finish`` calls as
-:class:`~ds_muon.engine.exchange.Exchange`, so the optimizer runs it as one more exchange.
+:class:`~ds_muon.engine.exchange.all_to_all.Exchange`, so the optimizer runs it as one more exchange.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Dict, Hashable, List, NamedTuple, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..rules.newton_schulz import input_dtype, resolve_coefficients
-from .layout import Layout, Piece
-from .timeouts import new_group_like
+from ...rules.newton_schulz import input_dtype, resolve_coefficients
+from ..exchange.layout import Layout, Piece
+from ..agreement.timeouts import new_group_like
 
 
 def team_bounds(rows: int, cols: int, k: int) -> List[Tuple[int, int]]:
@@ -86,10 +86,10 @@ def segments(piece: Piece, rows: int, cols: int, c0: int, c1: int) -> List[Segme
 
 class TeamGroups:
     """Process groups of the teams, one per member set, made once and kept (like
-    :class:`~ds_muon.engine.compile.ExchangeGroups`).  ``dist.new_group`` is collective over the world, so
+    :class:`~ds_muon.engine.plan.compile.ExchangeGroups`).  ``dist.new_group`` is collective over the world, so
     :meth:`make` is only called for layouts spanning the world (every rank compiles the same plan at
     the same step) and in one sorted order; a group gets the timeout of the layout's group
-    (:func:`~ds_muon.engine.timeouts.new_group_like`)."""
+    (:func:`~ds_muon.engine.agreement.timeouts.new_group_like`)."""
 
     def __init__(self):
         self._made: Dict[Tuple[int, ...], object] = {}
@@ -118,7 +118,7 @@ class TeamNS:
 
 def team_newton_schulz(block: torch.Tensor, tall: bool, ns, group) -> torch.Tensor:
     """NS of the matrix whose member blocks the ranks of ``group`` hold (see the module docstring);
-    ``ns``: :class:`~ds_muon.engine.compile.NSSettings` (``standard`` iteration).  Every member calls it."""
+    ``ns``: :class:`~ds_muon.engine.plan.compile.NSSettings` (``standard`` iteration).  Every member calls it."""
     per_step, norm_scale = resolve_coefficients(ns.coefficients, ns.steps)
     dtype = ns.dtype
     X = block.to(input_dtype(dtype))
@@ -152,7 +152,7 @@ class _Move(NamedTuple):
 class TeamExchange:
     """Moves the team matrices of ``layout.matrices[active]`` to their members as blocks, and the
     results back; ``teams[i]`` are the member ranks (in the layout's group, sorted: member j holds
-    block j of :func:`team_bounds`).  Pieces must be contiguous (:func:`~ds_muon.engine.compile` only
+    block j of :func:`team_bounds`).  Pieces must be contiguous (:func:`~ds_muon.engine.plan.compile` only
     teams such matrices).  ``stacks`` at a member are ``{("team", i): block}``."""
 
     def __init__(self, layout: Layout, active: Sequence[int], teams: Dict[int, Tuple[int, ...]],

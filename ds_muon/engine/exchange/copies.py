@@ -4,7 +4,7 @@ ds_muon plans a sharded matrix once over every rank that holds a copy of its pie
 (HSDP's replicate dim; FSDP2 x TP parameters that TP leaves on the ``dp`` sub-mesh,
 copied on every ``tp`` coordinate; dense parameters of EP x FSDP2 on every ``ep``
 coordinate), and one home's result overwrites every copy.  That is only right when the
-copies' gradients are equal, which :class:`~ds_muon.engine.agreement.Agreement` checks with
+copies' gradients are equal, which :class:`~ds_muon.engine.agreement.check.Agreement` checks with
 the fingerprints of these groups.
 
 A rank's :func:`copy_key` of a tensor is equal on two ranks exactly when DTensor's

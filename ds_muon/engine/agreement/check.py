@@ -13,7 +13,7 @@ ride in it and need no collective of their own:
   copy per ``tp`` coordinate; dense parameters of EP x FSDP2) must get the same
   gradient: ds_muon orthogonalizes one copy and its result overwrites the others,
   so a difference would be lost silently.  Each group of copies gets a row of its
-  own, fingerprinted by its members only (:mod:`~ds_muon.engine.copies`);
+  own, fingerprinted by its members only (:mod:`~ds_muon.engine.exchange.copies`);
 * **settings agree** — NS steps, dtypes, planner, learning rates … must be equal
   on every rank, or the exchange sizes or the updates differ;
 * **local checks fail everywhere** — a check of this rank's own input before the
@@ -37,11 +37,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from ..rules import ns_kernels
-from .copies import copy_key, describe, holders
+from ...rules import ns_kernels
+from ..exchange.copies import copy_key, describe, holders
 from .extremes import Extremes
 from .identity import identity_of
-from .layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
+from ..exchange.layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
 from .timeouts import flattened_group
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
@@ -295,7 +295,7 @@ class Agreement:
             n = len(items)
             out = self._rows[(world, key)] = Rows(list(range(n)), [-1] * n, n, n, names, [])
             return out
-        from .tag_keys import domain_of
+        from ..exchange.tag_keys import domain_of
 
         here = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
         common: List[int] = []
@@ -429,7 +429,7 @@ def _is_replica(p: torch.Tensor) -> bool:
 
     Shards (DTensors, FSDP1 flat parameters and views, ZeRO partitions) and
     tensor-parallel pieces differ between ranks by design."""
-    from .tag_keys import TENSOR_PARALLEL
+    from ..exchange.tag_keys import TENSOR_PARALLEL
 
     return not (is_flat_shard(p) or hasattr(p, "placements")
                 or getattr(p, TENSOR_PARALLEL, None) is not None)
@@ -458,7 +458,7 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh.mesh_dim_names:  # the group the layouts plan in (integrations/fsdp2.py); DeviceMesh caches it
-        return flattened_group(mesh)  # with its mesh's timeout (ds_muon.engine.timeouts)
+        return flattened_group(mesh)  # with its mesh's timeout (ds_muon.engine.agreement.timeouts)
     raise ValueError(
         f"ds_muon: the DTensor parameters live on a {mesh.ndim}-D device mesh over ranks {sorted(ranks)} without "
         "mesh_dim_names, not the whole world; build the mesh with mesh_dim_names, or pass Muon(..., process_group=) "

@@ -13,11 +13,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..rules.decay import WEIGHT_DECAY_MODES, check_mode  # noqa: F401 (the modes, read from here by callers)
-from ..rules.newton_schulz import NS_METHODS, resolve_coefficients
-from ..rules.normuon import VARIANTS
-from ..rules.scaling import check_scale_mode
-from .layout import global_shape, is_flat_shard
+from ...rules.decay import WEIGHT_DECAY_MODES, check_mode  # noqa: F401 (the modes, read from here by callers)
+from ...rules.newton_schulz import NS_METHODS, resolve_coefficients
+from ...rules.normuon import VARIANTS
+from ...rules.scaling import check_scale_mode
+from ..exchange.layout import global_shape, is_flat_shard
 
 
 def as_dtype(value, name: str) -> torch.dtype:

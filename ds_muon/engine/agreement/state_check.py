@@ -18,7 +18,7 @@ from typing import Callable, List, Mapping
 
 import torch
 
-from .row_moments import KEY as MOMENT_KEY
+from ..exchange.row_moments import KEY as MOMENT_KEY
 
 STATE_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # shaped like their parameter
 ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")  # AdamW's state: all of them or none

@@ -1,8 +1,8 @@
-"""Plan: from a Layout's active matrices to compiled :class:`~ds_muon.engine.exchange.Exchange` objects.
+"""Plan: from a Layout's active matrices to compiled :class:`~ds_muon.engine.exchange.all_to_all.Exchange` objects.
 
 Per matrix: the dtypes that cross the wire (lossless by default: what NS would cast
 to anyway), which matrices share one batched NS call (shape and NS settings), and
-its homes (:func:`~ds_muon.engine.planner.plan_multi_homes`: one, or several where the cost model
+its homes (:func:`~ds_muon.engine.plan.planner.plan_multi_homes`: one, or several where the cost model
 says duplicating NS beats sending the result; every rank in the duplicated baseline); then the matrices are cut into waves of about equal NS work.  The result
 depends only on the layout, the active matrices and the settings, so the optimizer
 compiles once per :func:`exchange_key` and reuses it (:class:`ExchangeCache`) while
@@ -17,17 +17,17 @@ from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .budget import ChunkedNS, budget_bytes, split_by_bytes
-from .exchange import Exchange
-from .groups import as_dtype
-from .layout import Layout
-from .offload import HostNS, exchange_device, host_state
-from ..rules.newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
+from ..memory.budget import ChunkedNS, budget_bytes, split_by_bytes
+from ..exchange.all_to_all import Exchange
+from ..agreement.settings import as_dtype
+from ..exchange.layout import Layout
+from ..memory.offload import HostNS, exchange_device, host_state
+from ...rules.newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients, resolve_method)
-from .row_moments import is_normuon
+from ..exchange.row_moments import is_normuon
 from .planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, rebalance_homes, replica_groups
 from .team import TeamExchange, TeamGroups, TeamNS
-from .timeouts import new_group_like
+from ..agreement.timeouts import new_group_like
 
 
 class NSSettings(NamedTuple):
@@ -43,7 +43,7 @@ class NSSettings(NamedTuple):
     def run(self, stack: torch.Tensor, out: Optional[torch.Tensor] = None,
             max_chunk: Optional[int] = None) -> torch.Tensor:
         """NS on ``stack``, the result contiguous: in ``out`` where given (which may be the stack's own
-        memory: :class:`~ds_muon.engine.budget.ChunkedNS`), ``max_chunk`` matrices at most per pass."""
+        memory: :class:`~ds_muon.engine.memory.budget.ChunkedNS`), ``max_chunk`` matrices at most per pass."""
         if not self.compile:
             return newton_schulz(stack, *self[:5], out=out, max_chunk=max_chunk)
         ns = compiled_newton_schulz()
@@ -199,10 +199,10 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
     """Plan homes and build one Exchange per (gather, scatter) dtype pair and wave; each
     comes with the NS settings of its stacks.  ``group_of`` maps a tensor's id to its group;
     ``group`` (default the layout's) is where the all_to_alls run (:class:`ExchangeGroups`).
-    Pieces offloaded to host memory (``offload``, or :func:`~ds_muon.engine.offload.host_state`) are
-    orthogonalized on the accelerator (:mod:`~ds_muon.engine.offload`).
+    Pieces offloaded to host memory (``offload``, or :func:`~ds_muon.engine.memory.offload.host_state`) are
+    orthogonalized on the accelerator (:mod:`~ds_muon.engine.memory.offload`).
     ``team_ns`` (with ``planner="auto"``): matrices whose NS bounds the step may run as a team of
-    ranks (:func:`~ds_muon.engine.planner.plan_teams`, :mod:`~ds_muon.engine.team`), one :class:`TeamExchange`
+    ranks (:func:`~ds_muon.engine.plan.planner.plan_teams`, :mod:`~ds_muon.engine.plan.team`), one :class:`TeamExchange`
     per dtype pair before the waves; ``team_groups`` makes their process groups (collective: the
     optimizer's; None, as in :meth:`ds_muon.Muon.summary`, plans the same teams without groups)."""
     by_dtypes: Dict[tuple, List[int]] = {}
@@ -233,7 +233,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
         host, device = device, exchange_device(device, group if group is not None else layout.group)
         if device == host:  # stacks assembled on the host: NS in chunks on the accelerator
             ns_of = {k: HostNS(ns) for k, ns in ns_of.items()}
-    budget = budget_bytes(list(nbytes.values()))  # transients of a wave and of an NS call (ds_muon.engine.budget)
+    budget = budget_bytes(list(nbytes.values()))  # transients of a wave and of an NS call (ds_muon.engine.memory.budget)
     ns_of = {k: ns if isinstance(ns, HostNS) else ChunkedNS(ns, budget) for k, ns in ns_of.items()}
     compiled = []
     for (gdt, sdt), idx in by_dtypes.items():
@@ -267,7 +267,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
 
 def team_eligible(layout: Layout, i: int, ns: NSSettings, device) -> bool:
     """May matrix ``i`` run as a team?  Its pieces are contiguous ranges (a tensor-parallel column
-    block is not: :class:`~ds_muon.engine.team.TeamExchange` cuts ranges), and it iterates the standard way
+    block is not: :class:`~ds_muon.engine.plan.team.TeamExchange` cuts ranges), and it iterates the standard way
     (the Gram iteration keeps its own m×m state), eagerly."""
     info = layout.matrices[i]
     method = resolve_method(ns.method, info.rows, info.cols, ns.steps, ns.dtype,

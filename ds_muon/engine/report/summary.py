@@ -9,7 +9,7 @@ Every column is read from the optimizer's own decisions, none re-derived from sh
   blocks, one per expert, the global matrix of a tensor-parallel shard), each with
   the scale factor its update gets (:func:`~ds_muon.rules.scaling.get_muon_scale_factor`
   of its group, read ``[out, in]`` for a transposed weight, as the step applies it);
-* home ranks and bytes: the exchanges :func:`~ds_muon.engine.compile.compile_exchanges`
+* home ranks and bytes: the exchanges :func:`~ds_muon.engine.plan.compile.compile_exchanges`
   builds for a step in which every matrix steps (the plan the optimizer compiles
   and reuses while the same tensors have gradients); NS FLOPs:
   :func:`~ds_muon.rules.newton_schulz.ns_flops` of the matrices homed at each rank.
@@ -42,12 +42,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from ..rules.newton_schulz import ns_flops
-from ..rules.scaling import get_muon_scale_factor
-from .compile import compile_exchanges, ns_settings, planner_task
-from .exchange import Exchange
-from .layout import Layout, global_shape
-from .planner import team_member_flops, team_widths
+from ...rules.newton_schulz import ns_flops
+from ...rules.scaling import get_muon_scale_factor
+from ..plan.compile import compile_exchanges, ns_settings, planner_task
+from ..exchange.all_to_all import Exchange
+from ..exchange.layout import Layout, global_shape
+from ..plan.planner import team_member_flops, team_widths
 from .summary_file import summary_from_dict
 
 logger = logging.getLogger("ds_muon")
@@ -70,7 +70,7 @@ class MatrixRow:
     ns_method: str
     wire_bytes: int  # bytes per element of its gather
     groups: Tuple[Tuple[int, ...], ...] = ()  # replica groups of its domain (HSDP; the planner's input too)
-    team: int = 0  # team size when a team of ranks (``homes``) runs its NS in column blocks (ds_muon.engine.team), else 0
+    team: int = 0  # team size when a team of ranks (``homes``) runs its NS in column blocks (ds_muon.engine.plan.team), else 0
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,11 @@ class Summary:
 
     # -- the planner's table -------------------------------------------------------
     def plan_rows(self, strategies: Optional[Sequence[str]] = None, cost_model=None) -> List[dict]:
-        """The ``ds-muon plan`` table (:func:`ds_muon.engine.costs.compare`) for this run's own matrices and
+        """The ``ds-muon plan`` table (:func:`ds_muon.engine.plan.costs.compare`) for this run's own matrices and
         holdings: the optimizer's strategy next to the baselines, on what each rank really holds, at
         the rates the optimizer planned with (unless ``cost_model`` is given)."""
-        from . import costs
-        from .planner import CostModel, MatrixTask
+        from ..plan import costs
+        from ..plan.planner import CostModel, MatrixTask
 
         rows = self.matrices
         if len({m.domain for m in rows}) > 1:
@@ -171,7 +171,7 @@ class Summary:
     @classmethod
     def load(cls, path: str) -> "Summary":
         """The summary :meth:`save` wrote; a file that is not one (edited, crafted, truncated) raises
-        ValueError naming the field (:mod:`ds_muon.engine.summary_file`)."""
+        ValueError naming the field (:mod:`ds_muon.engine.report.summary_file`)."""
         with open(path) as f:
             try:
                 d = json.load(f)

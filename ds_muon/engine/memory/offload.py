@@ -13,7 +13,7 @@ moves:
 * :func:`run_ns`: NS on a host stack, in chunks of whole matrices: chunk k+1 is copied
   host→device on one stream and chunk k-1 device→host on another while chunk k runs NS,
   through two pinned staging slots each way.  Device scratch memory is bounded by
-  :func:`scratch_bytes` ≤ 256 MiB (``DEFAULT_SCRATCH_BYTES``; set ``ds_muon.engine.offload.SCRATCH_BYTES``
+  :func:`scratch_bytes` ≤ 256 MiB (``DEFAULT_SCRATCH_BYTES``; set ``ds_muon.engine.memory.offload.SCRATCH_BYTES``
   to change it), unless one matrix alone needs more: then chunks hold one matrix.
   Without an accelerator NS runs on whole stacks where they are (nothing to bound); with
   ``SCRATCH_BYTES`` set, the same chunk loop runs on the host and copies nothing.

@@ -29,7 +29,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..rules.newton_schulz import ns_flops
+from ...rules.newton_schulz import ns_flops
+from ..exchange.routes import gather_source, replica_group_of, replica_groups, scatter_source  # noqa: F401
 
 STRATEGIES = ("locality", "lpt", "round_robin", "auto")
 TEAM_SIZES = (2, 3, 4, 8, 16, 32, 64)  # team sizes plan_teams tries (at most the world)
@@ -52,7 +53,7 @@ class CostModel:
     offload: bool = False
     ranks_per_node: Optional[int] = None  # None: one flat link (every byte at bytes_per_s)
     intra_bytes_per_s: float = 400e9  # per rank inside a node (NVLink-class); bytes_per_s is then inter-node
-    # How the exchange moves its bytes (:class:`~ds_muon.engine.exchange.Exchange`): "all_to_all" over the
+    # How the exchange moves its bytes (:class:`~ds_muon.engine.exchange.all_to_all.Exchange`): "all_to_all" over the
     # whole group, "p2p" (batch_isend_irecv with the ranks it really talks to), or "auto" (the cheaper
     # by :meth:`transport`).  The per-peer latencies are assumptions, not measured on a GPU cluster.
     exchange: str = "all_to_all"
@@ -344,49 +345,6 @@ def _home_seconds(t: MatrixTask, held: np.ndarray, home: int, cm: CostModel) -> 
     return np.where(touched, out, 0.0)
 
 
-def replica_groups(piece_holders: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...], ...]:
-    """Replica groups of one matrix (HSDP) from the ranks holding each of its distinct pieces.
-
-    When there are several distinct pieces and each is held by the same number R > 1 of
-    ranks, the j-th holder (in rank order) of every piece forms group j: R disjoint groups,
-    each holding the whole matrix between its ranks.  ``()`` otherwise (no replicas, or
-    whole copies as in DDP, where each rank is a group of its own: the planner's whole holders).
-    """
-    holders = [sorted(h) for h in piece_holders]
-    if len(holders) < 2 or len({len(h) for h in holders}) != 1 or len(holders[0]) < 2:
-        return ()
-    groups = tuple(tuple(sorted(h[j] for h in holders)) for j in range(len(holders[0])))
-    ranks = [r for g in groups for r in g]
-    return groups if len(set(ranks)) == len(ranks) else ()
-
-
-def _group_of(groups, rank: int) -> Tuple[int, ...]:
-    return next((g for g in groups if rank in g), ())
-
-
-def gather_source(holders: Sequence[int], home: int, homes: Sequence[int], groups, default: int) -> int:
-    """The holder that sends ``home`` a piece held by ``holders``: with several homes, one in the
-    home's own replica group when there is one (each group's home gathers inside its group),
-    else ``default`` (the exchange's spread over replicas)."""
-    if len(homes) > 1:
-        mine = _group_of(groups, home)
-        for r in holders:
-            if r in mine:
-                return r
-    return default
-
-
-def scatter_source(homes: Sequence[int], d: int, groups) -> int:
-    """The home that sends rank ``d`` its result: with several homes, the one in ``d``'s replica
-    group when there is one (no traffic between replica groups), else ``homes[d % len(homes)]``."""
-    if len(homes) > 1:
-        mine = _group_of(groups, d)
-        for h in homes:
-            if h in mine:
-                return h
-    return homes[d % len(homes)]
-
-
 def pair_traffic(t: MatrixTask, homes: Sequence[int]) -> Dict[Tuple[int, int], float]:
     """Elements from rank to rank for one matrix with one or more ``homes``, as the exchange
     moves them: every home collects what it lacks from the holders (:func:`gather_traffic`'s
@@ -398,7 +356,7 @@ def pair_traffic(t: MatrixTask, homes: Sequence[int]) -> Dict[Tuple[int, int], f
     for h in homes:
         mine = t.held[h] if h < len(t.held) else 0
         missing = t.numel - mine
-        own = _group_of(t.groups, h) if len(homes) > 1 else ()
+        own = replica_group_of(t.groups, h) if len(homes) > 1 else ()
         if missing and own:
             for r in own:
                 if r != h and t.held[r]:
@@ -417,7 +375,7 @@ def replica_homes(t: MatrixTask, home: int) -> List[Tuple[int, ...]]:
     """Alternatives to a single ``home`` for a matrix held by replica groups: one home per group
     (the rank at the home's position in each group: no bytes between groups) and every holder
     (NS everywhere, no scatter).  ``[]`` when ``t`` has no replica groups or ``home`` is in none."""
-    mine = _group_of(t.groups, home)
+    mine = replica_group_of(t.groups, home)
     if not mine:
         return []
     pos = mine.index(home)
@@ -616,9 +574,9 @@ def _best_duplication(costs: _Costs, homes: List[Tuple[int, ...]]) -> List[Tuple
     return best
 
 
-# -- team NS: one matrix on several ranks (ds_muon.engine.team) ------------------------------------------
+# -- team NS: one matrix on several ranks (ds_muon.engine.plan.team) ------------------------------------------
 def team_widths(rows: int, cols: int, k: int) -> List[int]:
-    """The widths of the k column blocks of the wide orientation (as :func:`ds_muon.engine.team.team_bounds`)."""
+    """The widths of the k column blocks of the wide orientation (as :func:`ds_muon.engine.plan.team.team_bounds`)."""
     n = max(rows, cols)
     return [((j + 1) * n) // k - (j * n) // k for j in range(k)]
 
@@ -626,7 +584,7 @@ def team_widths(rows: int, cols: int, k: int) -> List[int]:
 def team_member_flops(m: int, w: int, steps: int) -> float:
     """Multiply-add FLOPs of one member of a team NS holding a block m×w of the wide orientation:
     per iteration X_j·X_jᵀ (2m²w), then B = bA + cA² and B·X_j (2m³ + 2m²w), or, where w < m,
-    Y = A·X_j and A·(X_j + (c/b)·Y) (4m²w): whichever is fewer (:func:`ds_muon.engine.team.team_newton_schulz`)."""
+    Y = A·X_j and A·(X_j + (c/b)·Y) (4m²w): whichever is fewer (:func:`ds_muon.engine.plan.team.team_newton_schulz`)."""
     return float(steps) * (2.0 * m * m * w + min(2.0 * m**3 + 2.0 * m * m * w, 4.0 * m * m * w))
 
 
@@ -652,7 +610,7 @@ def team_traffic(t: MatrixTask, members: Sequence[int]) -> Tuple[np.ndarray, np.
     """Elements each rank sends and receives (gather + scatter) for one team matrix: member j
     collects what it lacks of block j from the holders in proportion to what they hold (each
     holder's share assumed spread evenly over the blocks), then every holder gets its piece of each
-    other member's block back (:class:`ds_muon.engine.team.TeamExchange` moves exactly the overlaps)."""
+    other member's block back (:class:`ds_muon.engine.plan.team.TeamExchange` moves exactly the overlaps)."""
     world = len(t.held)
     n = max(t.rows, t.cols)
     held = np.asarray(t.held, dtype=np.float64)
@@ -677,7 +635,7 @@ def team_traffic(t: MatrixTask, members: Sequence[int]) -> Tuple[np.ndarray, np.
 def plan_teams(tasks: Sequence[MatrixTask], world_size: int, homes: Sequence[Tuple[int, ...]],
                cost_model: Optional[CostModel] = None, eligible: Optional[Sequence[bool]] = None,
                sizes: Sequence[int] = TEAM_SIZES) -> Dict[int, Tuple[int, ...]]:
-    """Matrices worth orthogonalizing as a team (:mod:`ds_muon.engine.team`), from a plan's ``homes``:
+    """Matrices worth orthogonalizing as a team (:mod:`ds_muon.engine.plan.team`), from a plan's ``homes``:
     ``{matrix: sorted member ranks}``.
 
     While it shortens the modelled step, take the slowest rank and, of the (up to four largest)

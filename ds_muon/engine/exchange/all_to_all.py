@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .layout import Layout, Piece
-from .lending import full_bytes, give_back, give_back_all, take, take_all
-from .planner import gather_source, replica_groups, scatter_source
+from ..memory.lending import full_bytes, give_back, give_back_all, take, take_all
+from .routes import gather_source, replica_groups, scatter_source
 
 
 TRANSPORTS = ("all_to_all", "p2p")
@@ -56,7 +56,7 @@ class Exchange:
     duplicated baseline.  ``stack_key[i]`` groups
     matrices that may share one batched NS call at a home (shape and NS settings).
     ``group`` (default ``layout.group``) holds the same ranks in the same order: the
-    exchange's own communicator (:class:`~ds_muon.engine.compile.ExchangeGroups`).
+    exchange's own communicator (:class:`~ds_muon.engine.plan.compile.ExchangeGroups`).
     ``transport``: "all_to_all", "p2p", or a function of (world, max_peers) naming one.
     """
 
@@ -158,7 +158,7 @@ class Exchange:
         self.bytes_received = (sum(self.split_recv_g) * gather_dtype.itemsize
                                + sum(self.split_recv_s) * scatter_dtype.itemsize)
 
-    memory_budget: Optional[int] = None  # bytes of NS inputs the step fills in at a time (ds_muon.engine.budget)
+    memory_budget: Optional[int] = None  # bytes of NS inputs the step fills in at a time (ds_muon.engine.memory.budget)
 
     # -- gather ---------------------------------------------------------------
     def gather_fill(self, local: Dict[int, torch.Tensor]) -> None:
@@ -192,7 +192,7 @@ class Exchange:
             key: torch.empty((len(idx), self.layout.matrices[idx[0]].rows, self.layout.matrices[idx[0]].cols),
                              dtype=self.gather_dtype, device=self.device)
             for key, idx in self.stacks.items()})
-        take_all(stacks.values())  # memory lent back for this step (see ds_muon.engine.lending)
+        take_all(stacks.values())  # memory lent back for this step (see ds_muon.engine.memory.lending)
         return stacks
 
     def gather_start(self, local: Optional[Dict[int, torch.Tensor]], filled: bool = False):
@@ -280,7 +280,7 @@ class Exchange:
 
     def done(self) -> None:
         """The step is done with this exchange's results (applied): the memory of every kept
-        buffer goes back until the next step (:mod:`~ds_muon.engine.lending`); views stay."""
+        buffer goes back until the next step (:mod:`~ds_muon.engine.memory.lending`); views stay."""
         give_back_all(self._bases())
 
     def _bases(self) -> List[torch.Tensor]:
@@ -369,7 +369,7 @@ class Exchange:
             nbytes = r.numel() * r.element_size()
             reuse = s is not None and s.is_contiguous() and nbytes <= s.numel() * s.element_size()
             if reuse and r.untyped_storage().data_ptr() == s.untyped_storage().data_ptr():
-                # NS wrote its result into the stack's own memory (in chunks, ds_muon.engine.budget): that is the view
+                # NS wrote its result into the stack's own memory (in chunks, ds_muon.engine.memory.budget): that is the view
                 reuse = r.data_ptr() == s.data_ptr() and r.is_contiguous()
             if reuse:
                 out[key] = s.view(-1).view(torch.uint8)[:nbytes].view(r.dtype).view(r.shape)

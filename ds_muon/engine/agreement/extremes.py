@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .lending import give_back_all, take, take_all
+from ..memory.lending import give_back_all, take, take_all
 
 BULK_NUMEL = 1 << 16  # tensors up to this size are reduced together (off the CPU)
 CPU_BULK_NUMEL = 512  # ... and on the CPU, whose segment_reduce is slow per element
@@ -36,7 +36,7 @@ class _Chunk:
         numels = [s.numel() for s in shapes]
         total = sum(numels)
         self.positions = positions
-        self.scratch = scratch  # its memory is lent only while the extremes are taken (ds_muon.engine.lending)
+        self.scratch = scratch  # its memory is lent only while the extremes are taken (ds_muon.engine.memory.lending)
         self.where = torch.tensor(positions, dtype=torch.int64, device=scratch.device)
         self.data = scratch[:total]
         self.views = [v.view(s) for v, s in zip(self.data.split(numels), shapes)]

@@ -3,7 +3,7 @@
 Strategies compared on the same shapes and holdings:
 
 * ``locality`` / ``lpt`` / ``round_robin`` — one home per matrix
-  (:func:`ds_muon.engine.planner.plan_homes`), two fused all_to_all per step;
+  (:func:`ds_muon.engine.plan.planner.plan_homes`), two fused all_to_all per step;
 * ``duplicated`` — the naive baseline: every rank gathers every matrix and runs
   every NS (one all_gather per matrix);
 * ``deepspeed_owner`` — DeepSpeed 0.19.8's built-in Muon: each rank runs NS on
@@ -16,21 +16,21 @@ Strategies compared on the same shapes and holdings:
   ``locality`` plan plus extra homes where the cost model says so;
 * ``team`` — the optimizer's default, ``planner="auto"`` with team NS (:func:`team_cost`): the
   ``auto`` plan where the matrices that bound the step run as teams of ranks
-  (:func:`~ds_muon.engine.planner.plan_teams`); its row adds ``teams`` (how many), ``max_team`` (the
+  (:func:`~ds_muon.engine.plan.planner.plan_teams`); its row adds ``teams`` (how many), ``max_team`` (the
   largest team) and ``vs_auto`` (the same plan's modelled step without teams over this one's, both as the
   planner models them: > 1 where teams pay).
 
 On a 2-D mesh (``ds-muon plan --mesh``, :func:`mesh_rows`): HSDP ``replicate=R,shard=S``
 and FSDP x TP ``dp=D,tp=T``, with bytes split inside / across nodes
-(:meth:`CostModel.link_seconds <ds_muon.engine.planner.CostModel.link_seconds>`): today's
+(:meth:`CostModel.link_seconds <ds_muon.engine.plan.planner.CostModel.link_seconds>`): today's
 per-replica plan, each NS once in the world, the per-matrix choice between them, and the
 baselines.  These rows are analytic (equal pieces, LPT); the ``auto`` row is the optimizer's own plan
 (:func:`planned_mesh_cost`) on the same holdings and replica groups the optimizer would see.
 
-Every number of the world-size table is the planner's own: the sharded rows read the :class:`~ds_muon.engine.planner.Plan`
+Every number of the world-size table is the planner's own: the sharded rows read the :class:`~ds_muon.engine.plan.planner.Plan`
 the optimizer would use (its NS cost, traffic and modelled step time), the baselines
-count gathers with :func:`~ds_muon.engine.planner.gather_traffic` and turn FLOPs and bytes
-into seconds with the same :meth:`CostModel.seconds <ds_muon.engine.planner.CostModel.seconds>`.
+count gathers with :func:`~ds_muon.engine.plan.planner.gather_traffic` and turn FLOPs and bytes
+into seconds with the same :meth:`CostModel.seconds <ds_muon.engine.plan.planner.CostModel.seconds>`.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def sharded_cost(tasks: Sequence[MatrixTask], world: int, strategy: str, cm: Cos
 
 def peer_counts(tasks: Sequence[MatrixTask], homes: Sequence[Sequence[int]], world: int) -> List[int]:
     """How many other ranks each rank's exchange talks to (either direction), from the pairs
-    :func:`~ds_muon.engine.planner.pair_traffic` moves bytes between: the ``max_peers`` of ``--exchange``."""
+    :func:`~ds_muon.engine.plan.planner.pair_traffic` moves bytes between: the ``max_peers`` of ``--exchange``."""
     links = [set() for _ in range(world)]
     for t, hs in zip(tasks, homes):
         for (a, b), n in pair_traffic(t, hs).items():
@@ -123,7 +123,7 @@ def _modelled(strategy: str, ns: List[float], sent: List[float], recv: List[floa
 
 
 def _gather(t: MatrixTask, receivers: Sequence[int], sent: List[float], recv: List[float]) -> None:
-    """Add the bytes of every receiver collecting ``t`` whole (:func:`~ds_muon.engine.planner.gather_traffic`)."""
+    """Add the bytes of every receiver collecting ``t`` whole (:func:`~ds_muon.engine.plan.planner.gather_traffic`)."""
     for r, (s, rc) in gather_traffic(t, receivers).items():
         sent[r] += s * t.elem_bytes
         recv[r] += rc * t.elem_bytes
@@ -186,8 +186,8 @@ def duplicate_surplus_cost(tasks: Sequence[MatrixTask], world: int, cm: CostMode
 
 
 def multi_home_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> StrategyCost:
-    """The optimizer's ``planner="auto"`` (:func:`~ds_muon.engine.planner.plan_multi_homes`), counted the way
-    its exchange moves bytes (:func:`~ds_muon.engine.planner.pair_traffic`)."""
+    """The optimizer's ``planner="auto"`` (:func:`~ds_muon.engine.plan.planner.plan_multi_homes`), counted the way
+    its exchange moves bytes (:func:`~ds_muon.engine.plan.planner.pair_traffic`)."""
     tasks = _held_by_every_rank(tasks, world)  # replica groups kept: the optimizer plans with them
     homes = plan_multi_homes(tasks, world, cm, "auto")
     ns, sent, recv, count = [0.0] * world, [0.0] * world, [0.0] * world, [0] * world
@@ -216,9 +216,9 @@ def _count_homes(t: MatrixTask, homes, ns, count, sent, recv) -> None:
 
 def team_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> Tuple[StrategyCost, dict]:
     """The optimizer's default (``planner="auto"``, ``team_ns=True``): :func:`multi_home_cost`'s homes,
-    then :func:`~ds_muon.engine.planner.plan_teams` and :func:`~ds_muon.engine.planner.rebalance_homes`.  Team members count their share of the NS, the bytes
-    of their blocks (:func:`~ds_muon.engine.planner.team_traffic`) and of the ring all_reduces; seconds
-    are the planner's own (:func:`~ds_muon.engine.planner.team_seconds` beside one home's).  Also returns
+    then :func:`~ds_muon.engine.plan.planner.plan_teams` and :func:`~ds_muon.engine.plan.planner.rebalance_homes`.  Team members count their share of the NS, the bytes
+    of their blocks (:func:`~ds_muon.engine.plan.planner.team_traffic`) and of the ring all_reduces; seconds
+    are the planner's own (:func:`~ds_muon.engine.plan.planner.team_seconds` beside one home's).  Also returns
     the row's extra columns."""
     tasks = _held_by_every_rank(tasks, world)
     homes = plan_multi_homes(tasks, world, cm, "auto")
@@ -488,9 +488,9 @@ def tp_cost(tasks: Sequence[MatrixTask], dp: int, tp: int, strategy: str, cm: Co
 
 def mesh_tasks(shapes: Sequence[Tuple[int, int]], kind: str, outer: int, inner: int, steps: int = 5,
                elem_bytes: int = 2) -> List[MatrixTask]:
-    """The optimizer's planner input on a mesh (as :func:`ds_muon.engine.compile.planner_task` builds it): rank
+    """The optimizer's planner input on a mesh (as :func:`ds_muon.engine.plan.compile.planner_task` builds it): rank
     ``o * inner + k`` (row-major, torch's ``init_device_mesh`` order) holds piece ``k`` of ``inner`` near-equal
-    pieces (HSDP: replicated over ``outer`` groups, with :func:`~ds_muon.engine.planner.replica_groups`), or piece
+    pieces (HSDP: replicated over ``outer`` groups, with :func:`~ds_muon.engine.plan.planner.replica_groups`), or piece
     ``o * inner + k`` of ``outer * inner`` (FSDP x TP: every rank its own piece, no replicas)."""
     world = outer * inner
     out = []
@@ -507,8 +507,8 @@ def mesh_tasks(shapes: Sequence[Tuple[int, int]], kind: str, outer: int, inner: 
 
 
 def planned_mesh_cost(tasks: Sequence[MatrixTask], world: int, cm: CostModel) -> MeshCost:
-    """The optimizer's own plan (``planner="auto"``, :func:`~ds_muon.engine.planner.plan_multi_homes`) on
-    :func:`mesh_tasks`, its bytes counted as the exchange moves them (:func:`~ds_muon.engine.planner.pair_traffic`)."""
+    """The optimizer's own plan (``planner="auto"``, :func:`~ds_muon.engine.plan.planner.plan_multi_homes`) on
+    :func:`mesh_tasks`, its bytes counted as the exchange moves them (:func:`~ds_muon.engine.plan.planner.pair_traffic`)."""
     homes = plan_multi_homes(tasks, world, cm, "auto")
     ns, intra, inter = [0.0] * world, [0.0] * world, [0.0] * world
     for t, hs in zip(tasks, homes):

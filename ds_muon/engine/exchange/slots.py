@@ -1,5 +1,5 @@
 """The matrix slots of a tagged tensor: which logical matrices it holds and which part
-of each a rank has, for adapters to put in a :class:`~ds_muon.engine.layout.ParamBinding`.
+of each a rank has, for adapters to put in a :class:`~ds_muon.engine.exchange.layout.ParamBinding`.
 
 :func:`logical_blocks` reads the tags of :mod:`ds_muon.models.tags` (split rows, expert
 stacks) into contiguous ranges of the tensor's row-major flattening;

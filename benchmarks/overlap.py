@@ -58,7 +58,7 @@ def _worker(rank, world, setting, iters, warmup, d, layers, waves):
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=3e-3), ns_dtype=torch.bfloat16, waves=waves,
                        model=model, **SETTINGS[setting])
     medians = timed_iterations(model, opt, rank, iters, warmup, counter=blocked)
-    return medians + [opt._dispatch.dispatched if opt._dispatch is not None else 0]
+    return medians + [opt.runtime.dispatch.dispatched if opt.runtime.dispatch is not None else 0]
 
 
 def main():

@@ -373,7 +373,7 @@ def write_universal(model: nn.Module, muon: Muon, folder: str, config: Optional[
         if ours != set(by_name):
             raise ValueError(f"ds_muon.convert: the DeepSpeed config groups the tensors otherwise than the settings "
                              f"given ({sorted(ours ^ set(by_name))[:5]}); pass the same settings to both")
-        target._fill_state()  # every group's state, so each tensor's fragment of it is linked below
+        target.runtime.fill_state()  # every group's state, so each tensor's fragment of it is linked below
         engine.optimizer._lazy_init_hp_params_optimizer_state()
         steps = {}
         for n, p in engine.module.named_parameters():

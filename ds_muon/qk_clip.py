@@ -194,7 +194,7 @@ class QKClip:
         names = sorted({p.module for p in projections.values()})
         local = [maxima[n].detach().to(torch.float32).reshape(-1) for n in names]
         flat = torch.cat(local) if local else torch.empty(0)
-        group, world = opt._step_group()
+        group, world = opt.runtime.step_group()
         if world > 1:
             device = flat.device
             if dist.get_backend(group) == "nccl" and device.type != "cuda":
@@ -242,7 +242,7 @@ class QKClip:
     def _lookups(self, opt):
         """(model tensor id -> clean name, clean name -> tensor, optimizer tensor id -> the name it binds under),
         made once per set of bound tensors (the optimizer's binding signature), not in every clipping step."""
-        sig = (id(opt), opt._binding_sig)
+        sig = (id(opt), opt.runtime.signature)
         if self._lookup_cache is not None and self._lookup_cache[0] == sig:
             return self._lookup_cache[1]
         self._lookup_cache = (sig, self._make_lookups(opt))
@@ -251,13 +251,13 @@ class QKClip:
     def _make_lookups(self, opt):
         by_id = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
         tensors = {clean_name(n): p for n, p in self.model.named_parameters()}
-        names = {id(p): opt._name(gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
+        names = {id(p): opt.runtime.name(gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
         return by_id, tensors, names
 
     def _q_k_slots(self, opt, projections):
         """``(binding, slot, (clean name, key base, block suffix))`` of every q/k matrix bound in this call."""
         by_id, tensors, names = self._lookups(opt)
-        for b in opt._bindings.values():
+        for b in opt.runtime.bindings.values():
             for slot in b.matrices:
                 where = self._resolve(b, slot, by_id, names, projections)
                 if where is not None:

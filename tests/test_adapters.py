@@ -135,7 +135,7 @@ def test_an_adapter_that_applies_in_step_turns_deferred_updates_off():
         steps[kind] += (model[0].weight.detach().clone(),)
     assert steps["default"][0] is True  # deferred to the next forward (or flush)
     assert steps["in_step"][0] is False  # applied inside step()
-    assert steps["default"][1]._stack_allows_overlap() and not steps["in_step"][1]._stack_allows_overlap()
+    assert steps["default"][1].runtime.stack_allows_overlap() and not steps["in_step"][1].runtime.stack_allows_overlap()
     assert torch.equal(steps["default"][2], steps["in_step"][2])
 
 
@@ -144,7 +144,7 @@ def test_attach_replaces_the_adapter_and_forgets_layouts():
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model), ns_dtype=torch.float32)
     _grads(model, 0)
     opt.step()
-    first = dict(opt._bindings)
+    first = dict(opt.runtime.bindings)
     calls = []
     group = object()
 

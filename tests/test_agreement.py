@@ -186,7 +186,7 @@ def _overlap_reads():
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(t))).square().sum().backward()
         reads.append(count_host_reads(opt.step))
         model.zero_grad(set_to_none=True)
-    return reads, opt._dispatch.dispatched
+    return reads, opt.runtime.dispatch.dispatched
 
 
 def test_one_host_read_per_step():

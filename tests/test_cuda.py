@@ -91,7 +91,7 @@ def _fsdp2_overlap_worker(rank, world, overlap):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     opt.flush()
-    dispatched = opt._dispatch.dispatched if opt._dispatch is not None else 0
+    dispatched = opt.runtime.dispatch.dispatched if opt.runtime.dispatch is not None else 0
     return [p.to_local().detach().cpu() for p in model.parameters()], dispatched
 
 
@@ -382,7 +382,7 @@ def _gather_stream_probe_worker(rank, world, stack):
     x, y = (v.to(dev) for v in batch(0))
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
-    assert opt._deferred.pending > 0
+    assert opt.runtime.deferred.pending > 0
     unit.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(200_000_000), prepend=True)  # ~0.1 s
     armed.append(True)
     model(x)

@@ -132,7 +132,7 @@ def _engine_worker(rank, world, stage, bf16, gas, params):
 
 
 def _all_layouts(muon):
-    return [lay for _, layouts in muon._resolved.values() for lay in layouts]
+    return [lay for _, layouts in muon.runtime.resolved.values() for lay in layouts]
 
 
 WRAPPERS = {0: "Muon", 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
@@ -218,8 +218,8 @@ def _counting_worker(rank, world):
     engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=ds_config(2, gas=3))
     muon = engine.basic_optimizer
     calls = []
-    orig = muon._orthogonalize  # the step's NS stage
-    muon._orthogonalize = lambda *a, **k: (calls.append(engine.global_steps), orig(*a, **k))[1]
+    orig = muon.runtime.orthogonalize  # the step's NS stage
+    muon.runtime.orthogonalize = lambda *a, **k: (calls.append(engine.global_steps), orig(*a, **k))[1]
     train(engine, 2, gas=3)
     return calls, engine.global_steps
 

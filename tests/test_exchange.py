@@ -55,7 +55,7 @@ def _run_active_subsets(opt, mats):
         for p, g, on in zip(mats, gm, _active_pattern(t, len(mats))):
             p.grad = g if on else None
         opt.step()
-        held.append((len(opt._exchanges), sum(ex.buffer_bytes() for ex in opt.exchanges())))
+        held.append((len(opt.runtime.exchanges), sum(ex.buffer_bytes() for ex in opt.exchanges())))
     return [m.detach().clone() for m in mats], held
 
 

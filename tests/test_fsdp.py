@@ -204,7 +204,7 @@ def _worker(rank, world, cfg, ckpt):
     out["same_storage"] = storage() == before and len(before) > 0
     out["state_keys"] = _state_keys(opt)
     out["exchanges"] = len(opt.exchanges())
-    out["split"] = any(len(m.distinct_pieces()) > 1 for layout in opt._layouts for m in layout.matrices)
+    out["split"] = any(len(m.distinct_pieces()) > 1 for layout in opt.runtime.layouts for m in layout.matrices)
     if ckpt:
         _train(model, opt, data[PARITY_STEPS:4])
         straight = _full_params(cfg, model)

@@ -108,7 +108,7 @@ def _hsdp_tp(rank, ns_dtype, split, overlap=False):
     opt, (grads, params) = _train(model, ns_dtype, split, None, seen, overlap)
     return dict(init=init, grads=grads, params=params, split=split, ns_work=test_mesh._ns_work(opt, rank),
                 placements={n: str(p.placements) for n, p in model.named_parameters()}, stage_ranks=None,
-                seen=seen, early=(opt._dispatch.dispatched, opt._dispatch.redone) if overlap else None)
+                seen=seen, early=(opt.runtime.dispatch.dispatched, opt.runtime.dispatch.redone) if overlap else None)
 
 
 def _stages(rank, ns_dtype, sub_mesh_dims):

@@ -225,7 +225,7 @@ def test_split_fused_false_keeps_fused_weights_whole():
 def test_split_attention_heads_on_hf_attention():
     model = FAMILIES["llama"]()
     opt = ds_muon.Muon(_groups(model, split_attention="heads"))
-    keys = {s.key for b in opt._bindings.values() for s in b.matrices} if opt._bindings else set()
+    keys = {s.key for b in opt.runtime.bindings.values() for s in b.matrices} if opt.runtime.bindings else set()
     blocks = ds_muon.engine.exchange.slots.logical_blocks(model.model.layers[0].self_attn.k_proj.weight, "k")
     assert [k for k, _, _ in blocks] == ["k[0]", "k[1]"] and blocks[0][1] == (8, 32), (blocks, keys)
     gpt2 = FAMILIES["gpt2"]()
@@ -314,7 +314,7 @@ def _flat_cut(rank, world):
             rep.grad, flat.grad = grad.clone(), grad.reshape(-1)[lo:hi].clone()
             o_rep.step()
             o_flat.step()
-        views = max(len(s.local_view or ()) for s in o_flat._bindings[id(flat)].matrices)
+        views = max(len(s.local_view or ()) for s in o_flat.runtime.bindings[id(flat)].matrices)
         out[name] = (rep.detach().clone(), (lo, hi), flat.detach().clone(), views)
     return out
 
@@ -333,7 +333,7 @@ def _fsdp2_worker(rank, world):
             fully_shard(model, mesh=mesh)
             opt = ds_muon.Muon(_groups(model), ns_dtype=torch.float32)
             _train(model, opt)
-            blocks = sorted(s.key for b in opt._bindings.values() for s in b.matrices if "[" in s.key)
+            blocks = sorted(s.key for b in opt.runtime.bindings.values() for s in b.matrices if "[" in s.key)
             out[family] = ({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, blocks)
     return out
 

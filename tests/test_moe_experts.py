@@ -183,7 +183,7 @@ def _train(model, opt):
 
 
 def _expert_keys(opt, param):
-    return [s.key.rsplit(".", 1)[-1] for s in opt._bindings[id(param)].matrices]
+    return [s.key.rsplit(".", 1)[-1] for s in opt.runtime.bindings[id(param)].matrices]
 
 
 def _fsdp2(ns_dtype, world, optimizer_first=False):
@@ -221,7 +221,7 @@ def _fsdp1(orig, ns_dtype):
                 use_orig_params=orig)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(fsdp, lr=LR), model=fsdp, ns_dtype=ns_dtype)
     _train(fsdp, opt)
-    keys = sorted({s.key for b in opt._bindings.values() for s in b.matrices if "layers.0.mlp.experts.gate_up" in s.key})
+    keys = sorted({s.key for b in opt.runtime.bindings.values() for s in b.matrices if "layers.0.mlp.experts.gate_up" in s.key})
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT):
         return {n: t.detach().clone() for n, t in fsdp.state_dict().items()}, keys
 

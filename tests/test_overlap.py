@@ -67,10 +67,10 @@ def test_single_process_deferred_apply_is_bitwise_and_lazy():
     ref, o_ref, ovl, o_ovl = run_pair()
     train(ref, o_ref)
     train(ovl, o_ovl)
-    assert o_ovl._deferred.pending > 0  # the last step's updates wait for a forward
+    assert o_ovl.runtime.deferred.pending > 0  # the last step's updates wait for a forward
     before = ovl[6].weight.detach().clone()
     ovl(torch.zeros(1, 16))  # the forward pulls every wave in
-    assert o_ovl._deferred.pending == 0
+    assert o_ovl.runtime.deferred.pending == 0
     assert not torch.equal(before, ovl[6].weight)
     for (n, a), b in zip(ref.named_parameters(), ovl.parameters()):
         assert torch.equal(a, b), n
@@ -104,15 +104,15 @@ def test_backward_dispatch_single_process(ns_dtype):
     ref, o_ref, ovl, o_ovl = run_pair(ns_dtype)
     train(ref, o_ref, 1)
     train(ovl, o_ovl, 1)
-    assert o_ovl._dispatch.dispatched == 0  # the first step compiles the waves and arms the hooks
+    assert o_ovl.runtime.dispatch.dispatched == 0  # the first step compiles the waves and arms the hooks
     x, y = batch(7)
     for m, o in ((ref, o_ref), (ovl, o_ovl)):
         o.zero_grad()
         nn.functional.mse_loss(m(x), y).backward()
-    assert o_ovl._dispatch.in_flight == 3  # every wave's gather left during backward
+    assert o_ovl.runtime.dispatch.in_flight == 3  # every wave's gather left during backward
     o_ref.step()
     o_ovl.step()
-    assert o_ovl._dispatch.dispatched == 3 and o_ovl._dispatch.redone == 0
+    assert o_ovl.runtime.dispatch.dispatched == 3 and o_ovl.runtime.dispatch.redone == 0
     o_ovl.flush()
     assert_same(ref, ovl)
 
@@ -134,7 +134,7 @@ def test_changes_after_backward_are_seen(between):
     ref, o_ref, ovl, o_ovl = run_pair()
     train(ref, o_ref, between=between)
     train(ovl, o_ovl, between=between)
-    assert o_ovl._dispatch.redone == STEPS - 1
+    assert o_ovl.runtime.dispatch.redone == STEPS - 1
     o_ovl.flush()
     assert_same(ref, ovl)
 
@@ -143,7 +143,7 @@ def test_gradient_accumulation_dispatches_last_micro_batch():
     ref, o_ref, ovl, o_ovl = run_pair()
     train(ref, o_ref, micro=3)
     train(ovl, o_ovl, micro=3)
-    assert o_ovl._dispatch.dispatched == 3 and o_ovl._dispatch.redone == 0
+    assert o_ovl.runtime.dispatch.dispatched == 3 and o_ovl.runtime.dispatch.redone == 0
     o_ovl.flush()
     assert_same(ref, ovl)
 
@@ -154,7 +154,7 @@ def test_skipped_step_leaves_momentum_alone():
         train(ref, o_ref, steps=4, poison=(2,))
     with pytest.warns(RuntimeWarning, match="skipped step"):
         train(ovl, o_ovl, steps=4, poison=(2,))
-    assert o_ovl.nonfinite_skips == 1 and o_ovl._dispatch.dispatched == 3
+    assert o_ovl.nonfinite_skips == 1 and o_ovl.runtime.dispatch.dispatched == 3
     o_ovl.flush()
     assert_same(ref, ovl)
     for a, b in zip(ref.parameters(), ovl.parameters()):
@@ -205,8 +205,8 @@ def test_dropped_optimizer_stops_dispatching():
     m = make_model()
     opt = ds_muon.Muon(ds_muon.muon_param_groups(m), overlap=True, model=m)
     train(m, opt, 2)
-    assert opt._dispatch.dispatched == 3
-    gone = weakref.ref(opt._dispatch)
+    assert opt.runtime.dispatch.dispatched == 3
+    gone = weakref.ref(opt.runtime.dispatch)
     del opt
     gc.collect()
     assert gone() is None  # the hooks on the parameters did not keep it alive
@@ -214,14 +214,14 @@ def test_dropped_optimizer_stops_dispatching():
     m.zero_grad()
     again = ds_muon.Muon(ds_muon.muon_param_groups(m), overlap=True, model=m)
     train(m, again, 2)
-    assert again._dispatch.dispatched == 3
+    assert again.runtime.dispatch.dispatched == 3
 
 
 def test_dispatch_in_backward_can_be_turned_off():
     m = make_model()
     opt = ds_muon.Muon(ds_muon.muon_param_groups(m), overlap=True, model=m, dispatch_in_backward=False)
     train(m, opt)
-    assert opt._dispatch is None
+    assert opt.runtime.dispatch is None
 
 
 def test_bad_waves():
@@ -255,10 +255,10 @@ def _ddp_worker(rank, world, overlap, skip_forward_on_rank1):
         pass  # never runs a forward: its pending waves stay pending until flushed, no rank waits on it
     else:
         model[0](torch.zeros(1, 16))  # only the first layer's forward: later waves stay pending
-    pending = opt._deferred.pending if opt._deferred else 0
+    pending = opt.runtime.deferred.pending if opt.runtime.deferred else 0
     opt.flush()
     if overlap:  # DDP reduces after the grad hooks fire: nothing may leave from backward
-        assert opt._dispatch.dispatched == 0 and opt._dispatch.in_flight == 0
+        assert opt.runtime.dispatch.dispatched == 0 and opt.runtime.dispatch.in_flight == 0
     return [p.detach().clone() for p in model.parameters()], counts, pending
 
 
@@ -304,13 +304,13 @@ def _fsdp2_worker(rank, world, overlap, variant="plain", ns_dtype=torch.float32)
             loss = nn.functional.mse_loss(model(x).float(), y)  # applies the previous step's deferred waves first
             losses.append(loss.item())
             loss.backward()
-            in_backward.append(opt._dispatch.in_flight if opt._dispatch is not None else 0)  # gathers left
+            in_backward.append(opt.runtime.dispatch.in_flight if opt.runtime.dispatch is not None else 0)  # gathers left
         if variant == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
     opt.flush()
     assert storages == [p.to_local().data_ptr() for p in model.parameters()]
-    d = opt._dispatch
+    d = opt.runtime.dispatch
     stats = (d.dispatched, d.redone, in_backward) if d is not None else None
     return losses, [p.to_local().detach().clone() for p in model.parameters()], stats
 
@@ -432,7 +432,7 @@ def _prefetch_worker(rank, world, overlap, kinds):
                            apply_in_forward=overlap)
         losses, pending = [], []
         for t in range(STEPS + 1):  # the last forward runs on the third step's deferred updates
-            pending.append(opt._deferred.pending if opt._deferred is not None else 0)
+            pending.append(opt.runtime.deferred.pending if opt.runtime.deferred is not None else 0)
             x, y = batch(t, rank)
             loss = nn.functional.mse_loss(model(x), y)
             losses.append(loss.item())

@@ -54,7 +54,7 @@ def _train(rank, world, wrap, how):
         nn.functional.mse_loss(outer(x), y).backward()
         opt.step()
         if t == COPY_AT and deferred:
-            assert opt._deferred.pending > 0  # the habit under test: a copy while updates wait
+            assert opt.runtime.deferred.pending > 0  # the habit under test: a copy while updates wait
             twin = _copy(model, how)
             twin(torch.zeros(1, 16))  # the copy is used: a forward, a state_dict
             sd = twin.state_dict()

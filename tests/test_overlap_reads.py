@@ -129,7 +129,7 @@ class Run:
         _train_step(self.wrapper, self.opt, 0)
         self.ck = copy.deepcopy(self.wrapper.state_dict()), copy.deepcopy(self.opt.state_dict())
         _train_step(self.wrapper, self.opt, 1)
-        deferred = getattr(self.opt, "_deferred", None)
+        deferred = self.opt.runtime.deferred
         self.pending = deferred.pending if deferred is not None else 0
 
 

@@ -140,14 +140,14 @@ def _timeouts(rank, world, path):
 
     mats, opt = _optimizer()
     _step(mats, opt, 0)
-    made = [g for g in opt._exchange_groups._made.values() if g is not None]
+    made = [g for g in opt.runtime.exchange_groups._made.values() if g is not None]
     out["exchange"] = [timeout_of(g) for g in made]
 
     if rank == 1:  # raises inside the step, after the agreement, and stays alive
         def oom(*a, **k):
             raise MemoryError("simulated out of memory")
 
-        opt._adamw_all = oom
+        opt.runtime.adamw = oom
     start = time.monotonic()
     try:
         _step(mats, opt, 1)

@@ -111,7 +111,7 @@ def _fsdp_worker(rank, world, cases):
             opt.step()
             opt.zero_grad(set_to_none=True)
         scales = sorted({round(ds_muon.get_muon_scale_factor(*((c, r) if s.transposed else (r, c))), 6)
-                         for b in opt._bindings.values() for s in b.matrices for r, c in [s.matrix_shape]})
+                         for b in opt.runtime.bindings.values() for s in b.matrices for r, c in [s.matrix_shape]})
         out[family, ns_dtype, stack] = full(), scales
     return out
 

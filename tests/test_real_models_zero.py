@@ -132,7 +132,7 @@ def _train_one(family: str, stage: int, ns_dtype: str) -> dict:
         engine.step()
     assert engine.skipped_steps == 0, f"{family}: DeepSpeed skipped {engine.skipped_steps} step(s)"
     muon = engine.basic_optimizer
-    stepped = sorted(m.key for _, layouts in muon._resolved.values() for lay in layouts for m in lay.matrices)
+    stepped = sorted(m.key for _, layouts in muon.runtime.resolved.values() for lay in layouts for m in lay.matrices)
     return {"grouped": grouped, "stepped": stepped, "init": init, "grads": grads, "final": _fp32_masters(engine),
             "wrapper": type(engine.optimizer).__name__}
 

@@ -123,7 +123,7 @@ def _worker(rank, world):
     out["tp_honest"] = [_attempt(model, opt, batch)]
     out["tp_nudged"] = _attempt(model, opt, batch, _nudge_on(rank, 1, "proj.weight"))
     out["tp_honest"].append(_attempt(model, opt, batch))
-    out["tp_dispatched"] = opt._dispatch.dispatched
+    out["tp_dispatched"] = opt.runtime.dispatch.dispatched
     # a data loader that gives the tp ranks of a dp group different batches: the layers after TP's
     # all-reduce see the same activations again, those before it (embed) do not
     model = _embedded_tp_model()

@@ -109,7 +109,7 @@ def test_fused_qkv_model_equals_separate_single_process():
         o_f.zero_grad()
     assert torch.equal(fused.qkv.weight, torch.cat([sep.q.weight, sep.k.weight, sep.v.weight]))
     assert torch.equal(fused.out.weight, sep.out.weight)
-    slots = o_f._bindings[id(fused.qkv.weight)].matrices
+    slots = o_f.runtime.bindings[id(fused.qkv.weight)].matrices
     assert [s.key for s in slots] == [f"qkv.weight[{k}]" for k in QKV]
     assert [s.matrix_shape for s in slots] == [(n, D) for n in QKV.values()]
     # without the split the scale and NS would be the fused matrix's: the test above can fail
@@ -137,8 +137,8 @@ def test_expert_stack_equals_separate_experts_and_conv_rule_unchanged():
             o.step()
     assert torch.equal(stack, torch.stack(experts))
     assert not torch.equal(conv, stack)
-    assert [s.matrix_shape for s in opts[2]._bindings[id(conv)].matrices] == [(3, 96)]
-    assert [s.key for s in opts[0]._bindings[id(stack)].matrices][:2] == ["param_groups[0]['params'][0][0]",
+    assert [s.matrix_shape for s in opts[2].runtime.bindings[id(conv)].matrices] == [(3, 96)]
+    assert [s.key for s in opts[0].runtime.bindings[id(stack)].matrices][:2] == ["param_groups[0]['params'][0][0]",
                                                                         "param_groups[0]['params'][0][1]"]
 
 
@@ -153,7 +153,7 @@ def test_multihead_attention_split_heads():
     for p in groups[1]["params"]:
         p.grad = torch.zeros_like(p)
     opt.step()
-    slots = opt._bindings[id(w)].matrices
+    slots = opt.runtime.bindings[id(w)].matrices
     assert [s.key for s in slots] == [f"in_proj_weight[{c}{i}]" for c in "qkv" for i in range(2)]
     assert all(s.matrix_shape == (4, 8) for s in slots)
     with pytest.raises(ValueError, match="split_attention"):
@@ -295,8 +295,8 @@ def _tp_worker(rank, world):
                 counts = _count(opt.step)
             else:
                 opt.step()
-        shapes = [s.matrix_shape for p in ps for s in opt._bindings[id(p)].matrices]
-        out[tp] = (k, [p.detach() for p in ps], counts, shapes, len(opt._layouts))
+        shapes = [s.matrix_shape for p in ps for s in opt.runtime.bindings[id(p)].matrices]
+        out[tp] = (k, [p.detach() for p in ps], counts, shapes, len(opt.runtime.layouts))
     return out
 
 
@@ -385,7 +385,7 @@ def _moe_worker(rank, world):
         else:
             opt.step()
     out = {"params": (dense.detach().clone(), experts.detach().clone(), bias.detach().clone()), "lohi": (lo, hi),
-           "counts": counts, "layouts": sorted((lay.world_size, len(lay.matrices)) for lay in opt._layouts),
+           "counts": counts, "layouts": sorted((lay.world_size, len(lay.matrices)) for lay in opt.runtime.layouts),
            # every world rank steps this optimizer, so the expert domains' exchanges get groups of their own too
            "own_groups": all(ex.group is not ex.layout.group and dist.get_process_group_ranks(ex.group)
                              == dist.get_process_group_ranks(ex.layout.group or dist.group.WORLD)
@@ -473,7 +473,7 @@ def _ds_moe_worker(rank, world):
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-    layouts = sorted({(lay.world_size, len(lay.matrices)) for _, lays in muon._resolved.values() for lay in lays})
+    layouts = sorted({(lay.world_size, len(lay.matrices)) for _, lays in muon.runtime.resolved.values() for lay in lays})
     tagged = sum(1 for p in engine.module.parameters() if getattr(p, "_ds_muon_domain", None) is not None)
     return losses, layouts, tagged
 

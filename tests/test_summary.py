@@ -47,7 +47,7 @@ def _check_against_optimizer(opt, s):
     """Every row agrees with the param groups, the bound layouts and the update's coefficients."""
     by_name = _params_by_name(opt)
     assert [t.name for t in s.tensors] == [n for g in opt.param_groups for n in g["param_names"]]
-    layout_matrices = {m.key: m for lay in opt._layouts for m in lay.matrices}
+    layout_matrices = {m.key: m for lay in opt.runtime.layouts for m in lay.matrices}
     for t in s.tensors:
         g, p = by_name[t.name]
         assert (t.algorithm == "Muon") == g["use_muon"], t.name
@@ -55,7 +55,7 @@ def _check_against_optimizer(opt, s):
         if not g["use_muon"]:
             assert t.matrices == ()
             continue
-        assert [m.key for m in t.matrices] == [sl.key for sl in opt._bindings[id(p)].matrices]
+        assert [m.key for m in t.matrices] == [sl.key for sl in opt.runtime.bindings[id(p)].matrices]
         for m in t.matrices:
             assert m.shape == matrix_shape(layout_matrices[m.key].shape)
             _, alpha = apply_coefficients(g, m.shape, is_transposed(p))

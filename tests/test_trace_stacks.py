@@ -54,7 +54,7 @@ def _single(family):
         model = _build(family)
         opt = ds_muon.Muon(_groups(model), ns_dtype=torch.float32)
         _train(model, opt)
-        keys = sorted(m.key for b in opt._bindings.values() for m in b.matrices)
+        keys = sorted(m.key for b in opt.runtime.bindings.values() for m in b.matrices)
         return {n: p.detach().clone() for n, p in model.named_parameters()}, keys
 
 

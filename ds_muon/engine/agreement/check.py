@@ -98,8 +98,8 @@ def settings_of(optimizer) -> Dict[str, Any]:
     # table): duplicated homes must compute the same bits everywhere
     out["ns_kernels"] = ns_kernels.fingerprint()
     out["overlap"] = bool(getattr(optimizer, "overlap", False))
-    out["apply_in_forward"] = getattr(optimizer, "_deferred", None) is not None
-    out["dispatch_in_backward"] = getattr(optimizer, "_dispatch", None) is not None
+    out["apply_in_forward"] = optimizer.runtime.deferred is not None
+    out["dispatch_in_backward"] = optimizer.runtime.dispatch is not None
     clip = getattr(optimizer, "qk_clip", None)  # QK-clip (tau, alpha): every rank must clip alike
     out["qk_clip"] = None if clip is None else _plain(clip.settings())
     for gi, g in enumerate(optimizer.param_groups):

@@ -50,16 +50,17 @@ def identity_of(optimizer) -> str:
     """What ``optimizer`` steps, the same string on every rank (see the module docstring):
     e.g. ``"Muon #2 (of this structure) over 6 tensors, 'layers.0.weight' ... 'head.bias',
     fingerprint 1a2b3c4d"``."""
-    key = (getattr(optimizer, "_binding_sig", None),
+    runtime = optimizer.runtime
+    key = (runtime.signature,
            tuple((id(g), len(g["params"]), id(g.get("param_names"))) for g in optimizer.param_groups))
     cached = getattr(optimizer, "_identity", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    bindings: Dict[int, object] = getattr(optimizer, "_bindings", {}) or {}
+    bindings: Dict[int, object] = runtime.bindings
     parts, names = [], []
     for gi, g in enumerate(optimizer.param_groups):
         for pi, p in enumerate(g["params"]):
-            names.append(optimizer._name(gi, pi))
+            names.append(runtime.name(gi, pi))
         if g.get("use_muon", True):
             shapes = tuple(tuple(tuple(s.shape) for s in b.matrices) if b is not None else None
                            for b in (bindings.get(id(p)) for p in g["params"]))

@@ -276,10 +276,11 @@ def _bound_sets(opt) -> List[tuple]:
     """The ``(bindings, layouts)`` a step uses: the current ones, and under DeepSpeed (which hands
     the optimizer one param group or ZeRO-3 sub-group at a time, as fixed flat partitions) every
     set bound so far."""
-    opt._resolve()
+    runtime = opt.runtime
+    runtime.resolve()
     if opt.adapter.applies_in_step:
-        return [s for s in opt._resolved.values()]
-    return [(opt._bindings, opt._layouts)]
+        return [s for s in runtime.resolved.values()]
+    return [(runtime.bindings, runtime.layouts)]
 
 
 def _base(key: str) -> str:
@@ -465,13 +466,16 @@ def log_first_step(opt) -> bool:
         return True
     groups = None
     if opt.adapter.applies_in_step:
-        seen, groups = opt.__dict__.setdefault("_summary_seen", (set(), {}))
+        runtime = opt.runtime
+        if runtime.summary_seen is None:
+            runtime.summary_seen = (set(), {})
+        seen, groups = runtime.summary_seen
         for g in opt.param_groups:  # DeepSpeed narrows param_groups to the group it steps; same dicts
             groups.setdefault(id(g), g)
-        if opt._binding_sig not in seen:
-            seen.add(opt._binding_sig)
+        if runtime.signature not in seen:
+            seen.add(runtime.signature)
             return False
         groups = list(groups.values())
-        del opt.__dict__["_summary_seen"]
+        runtime.summary_seen = None
     logger.info(summarize(opt, groups).log_line())
     return True

@@ -36,7 +36,7 @@ from .engine.agreement.settings import (TORCH_ADDED_DEFAULTS, as_dtype, check_bo
                                         check_given_keys, check_keyword_booleans, check_loaded_groups, check_settings,
                                         drop_filled_defaults, dtype_name, loaded_group, validate_group)
 from .engine.agreement.state_check import check_loaded_state, check_state, check_state_listed
-from .engine.copies import carried, check_not_carried, restored, upgrade_groups
+from .engine.pickling import carried, check_not_carried, restored, upgrade_groups
 from .engine.exchange.all_to_all import Exchange
 from .engine.exchange.row_moments import (check_loaded_moments, check_moments, fsdp1_moments, restore_moments,
                                           split_moments)
@@ -133,13 +133,13 @@ class Muon(Optimizer):
     apply_in_forward = property(lambda self: self.overlap_settings.apply_in_forward,
                                 doc="Updates may wait for the next forward (opt-in; ds_muon.engine.overlap.forward).")
 
-    # -- copies, pickling and loading (ds_muon.engine.copies) --------------------
+    # -- copies, pickling and loading (ds_muon.engine.pickling) --------------------
     team_ns = True  # (an optimizer pickled before team NS existed reads the default)
     qk_clip = None  # (an optimizer pickled before QK-clip existed reads the default)
 
     def __getstate__(self) -> dict:
         """What ``copy.deepcopy`` and pickle carry: torch's ``defaults``, ``state`` and ``param_groups`` plus
-        ds_muon's settings (:mod:`~ds_muon.engine.copies`).  Not carried: ``model``, ``process_group``, ``qk_clip``,
+        ds_muon's settings (:mod:`~ds_muon.engine.pickling`).  Not carried: ``model``, ``process_group``, ``qk_clip``,
         a chosen ``adapter`` (a DeepSpeed binding; a copy refuses to step until given the ones it needs again:
         ``copy.process_group = ...``, ``ds_muon.integrations.deepspeed.bind(engine)``), the runtime's caches and
         hooks (rebuilt at the first step; a copy steps without overlap hooks, same results)."""
@@ -162,7 +162,7 @@ class Muon(Optimizer):
         self._upgrade_groups()
 
     def _upgrade_groups(self) -> None:
-        """Fill what older ds_muon state dicts lack (:func:`~ds_muon.engine.copies.upgrade_groups`)."""
+        """Fill what older ds_muon state dicts lack (:func:`~ds_muon.engine.pickling.upgrade_groups`)."""
         upgrade_groups(self.param_groups, self.state, self.defaults, self.adam_betas, self.adam_eps)
 
     def _check_not_carried(self) -> None:

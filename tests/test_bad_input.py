@@ -179,13 +179,13 @@ def _fault_adamw_second_tensor(model, opt, monkeypatch):
 
 
 def _fault_planner(model, opt, monkeypatch):
-    import ds_muon.optimizer as O
+    import ds_muon.engine.runtime as runtime
 
     def refuse(*a, **k):
         raise RuntimeError("injected: the plan refuses")
 
     opt.invalidate_layouts()
-    monkeypatch.setattr(O, "compile_exchanges", refuse)
+    monkeypatch.setattr(runtime, "compile_exchanges", refuse)
     return "injected: the plan refuses"
 
 

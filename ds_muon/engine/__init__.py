@@ -11,5 +11,12 @@ only the stages below it (``tools/import_graph.py`` checks), bottom up:
 * :mod:`.overlap` — gathers from backward, updates in the next forward;
 * :mod:`.report` — ``summary()``;
 * :mod:`.moved` — the old module paths (one release more, with a DeprecationWarning);
-* :mod:`.runtime` — one step through the stages, in order (what ``Muon.step`` runs).
+
+and, at the top, what one optimizer's steps hold and run:
+
+* :mod:`.binding` — the bindings and layouts of the Muon tensors, from the stack's adapter;
+* :mod:`.state` — the state keys of every tensor (momentum, AdamW moments, FSDP1 placeholders);
+* :mod:`.pickling` — what a copy of the optimizer carries; older state dicts' groups brought up to date;
+* :mod:`.runtime` — one step through the stages, in order (what ``Muon.step`` runs), and every cache
+  and hook the steps keep (``Muon.runtime``).
 """

@@ -7,6 +7,7 @@ matrix lives.  A new rule is one file here.
 * :mod:`.newton_schulz` — the orthogonalization (methods, coefficients, stacks batched by shape), with
   :mod:`.ns_kernels` (which kernel forms its products run as on this machine, same bits);
 * :mod:`.update` — the NS input (decay, momentum, Nesterov) and the apply on a piece of the weight;
+* :mod:`.adamw` — AdamW, for every tensor Muon does not orthogonalize (torch's functional AdamW, bitwise);
 * :mod:`.scaling` — the update's scale per matrix shape;
 * :mod:`.decay` — the weight decay modes (decoupled, l2, independent, cautious) on Muon and AdamW tensors;
 * :mod:`.normuon` — NorMuon (``variant="normuon"``): a per-neuron second moment of the NS result;

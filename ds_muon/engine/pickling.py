@@ -4,7 +4,9 @@ how groups of an older ds_muon state dict are brought up to date on load.
 A copy carries torch's ``defaults``, ``state`` and ``param_groups`` plus :data:`SETTINGS`; never the
 model, the process group, QK-clip or a chosen adapter (a DeepSpeed binding), nor the step's caches and
 hooks (:class:`~ds_muon.engine.runtime.StepRuntime`, rebuilt at the first step).  A copy that lost one it
-cannot step without refuses to step (:func:`check_not_carried`) until it is given one again.
+cannot step without refuses to step (:func:`check_not_carried`) until it is given one again.  A copy
+of one built with ``model=`` steps without overlap hooks (same results); FSDP1 ``use_orig_params=True``
+needs ``copy.model = fsdp_model``.
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ class Muon(Optimizer):
         (see :func:`~ds_muon.engine.exchange.row_moments.fsdp1_moments`: FSDP1's optimizer state dicts take every
         state tensor with a dimension for a shard of the flat parameter)."""
         self.flush()
-        check_state_listed(self.param_groups, self.state, zero3=self.adapter.applies_in_step)
+        check_state_listed(self.param_groups, self.state, deepspeed=self.adapter.applies_in_step)
         return fsdp1_moments(super().state_dict(), self.param_groups)
 
     def load_state_dict(self, state_dict) -> None:

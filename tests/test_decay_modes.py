@@ -451,3 +451,29 @@ def test_cautious_decay_rule_bitwise(dtype, factor):
                 assert torch.equal(got[0], decayed[0])
             if case == "disagree":  # untouched but where u is 0 (zero counts as agreeing)
                 assert torch.equal(got[0][u != 0], w[u != 0]) and torch.equal(got[0][u == 0], decayed[0][u == 0])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("mode", ["decoupled", "independent"])
+def test_adamw_rule_bitwise_equals_torch_adamw(mode, foreach):
+    """``rules.adamw.adamw_`` on tensor lists, three steps: torch.optim.AdamW bitwise (``independent``: the
+    weights times ``1 - wd`` first, then torch's AdamW without decay, as the formula says)."""
+    from ds_muon.rules.adamw import adamw_
+
+    g = torch.Generator().manual_seed(3)
+    ours = [torch.randn(5, 4, generator=g), torch.randn(7, generator=g)]
+    ref = [nn.Parameter(t.clone()) for t in ours]
+    moments = [(torch.zeros_like(t), torch.zeros_like(t), torch.tensor(0.0)) for t in ours]
+    torch_opt = torch.optim.AdamW(ref, lr=ADAM_LR, betas=BETAS, eps=EPS, foreach=foreach,
+                                  weight_decay=ADAM_WD if mode == "decoupled" else 0.0)
+    for _ in range(3):
+        grads = [torch.randn(t.shape, generator=g) for t in ours]
+        adamw_(ours, grads, [m[0] for m in moments], [m[1] for m in moments], [m[2] for m in moments], lr=ADAM_LR,
+               betas=BETAS, eps=EPS, weight_decay=ADAM_WD, weight_decay_mode=mode, foreach=foreach)
+        with torch.no_grad():
+            for p, gr in zip(ref, grads):
+                p.grad = gr.clone()
+                if mode == "independent":
+                    p.mul_(1 - ADAM_WD)
+        torch_opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(ours, ref))

@@ -62,7 +62,8 @@ class StepRuntime:
 
     ``opt``: the optimizer (its ``param_groups``, ``state``, settings and ``adapter`` are read through it,
     never copied); ``context(process_group, model, options=...)``: makes the adapter's context (the
-    optimizer passes its stack's ``BindContext``).  Hooks it makes hold it weakly or not at all: a dropped
+    optimizer passes its stack's ``BindContext``).  What it hooks onto parameters and modules holds it
+    weakly or not at all (a deferred update is a closure over its pieces, :meth:`applier`): a dropped
     optimizer neither dispatches from backward nor is kept alive by its deferred updates."""
 
     def __init__(self, opt, context: Callable[..., object]):

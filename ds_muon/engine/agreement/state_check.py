@@ -104,14 +104,15 @@ def check_state(groups: List[dict], state: Mapping, name: Callable[[int, int], s
                 _check_adamw_keys(st, name(gi, pi))
 
 
-def check_state_listed(groups: List[dict], state: Mapping, zero3: bool) -> None:
+def check_state_listed(groups: List[dict], state: Mapping, deepspeed: bool) -> None:
     """Before a state dict is saved: RuntimeError when the optimizer holds state of tensors ``groups``
-    do not list now (``zero3``: the stack hands the optimizer its partitions only inside ``step()``)."""
+    do not list now (``deepspeed``: a stack that narrows ``param_groups`` outside ``step()``; the error
+    says how to save through it)."""
     held = {id(p) for g in groups for p in g["params"]}
     if any(id(p) not in held for p in state):
         raise RuntimeError(
             "ds_muon: Muon.state_dict(): the optimizer holds state of tensors its param_groups do not list now "
             + ("(DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step()): save through DeepSpeed, "
                "engine.optimizer.state_dict() (what deepspeed.initialize returned as the optimizer; no collective) "
-               "or engine.save_checkpoint(dir) on every rank" if zero3 else
+               "or engine.save_checkpoint(dir) on every rank" if deepspeed else
                "(a tensor was removed from param_groups): drop its state (opt.state.pop(param)) first"))

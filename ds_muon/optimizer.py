@@ -3,10 +3,11 @@
 This class is the torch.optim face (settings, groups, ``state_dict``, copies); one step's mechanics
 live in :class:`~ds_muon.engine.runtime.StepRuntime` (``opt.runtime``).  :meth:`Muon.step`:
 
-1. preflight, before anything changes: every group's settings (:mod:`~ds_muon.engine.agreement.settings`),
-   a copy's lost bindings, then the tensors bound and their state filled, every state tensor fitting its
-   parameter (:mod:`~ds_muon.engine.agreement.state_check`) and QK-clip's layouts; a check that fails on
-   one rank only becomes a :class:`~ds_muon.engine.agreement.check.LocalFailure`, raised on every rank;
+1. preflight, before anything changes: every group's settings (:mod:`~ds_muon.engine.agreement.settings`)
+   and a copy's lost bindings; then, the tensors bound and their state filled, every state tensor fits
+   its parameter (:mod:`~ds_muon.engine.agreement.state_check`) and QK-clip's q/k weights are Muon
+   matrices; a failed check becomes a :class:`~ds_muon.engine.agreement.check.LocalFailure`, raised on
+   every rank by the runtime's check (a rank failing alone cannot leave the others waiting);
 2. the runtime's stages (:mod:`~ds_muon.engine.runtime`): the check (gradient presence and finiteness
    agreed by every rank, one small all_reduce) → active matrices → plan (homes, wire dtypes, waves) →
    AdamW (:mod:`~ds_muon.rules.adamw`) → per batch of waves: gather (momentum on local pieces) →

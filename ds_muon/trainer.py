@@ -71,7 +71,7 @@ class MuonTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled and no_gpu():
-            # accelerate dropped the FSDP plugin on CPU: run its FSDP2 path anyway (ds_muon.accelerate)
+            # accelerate dropped the FSDP plugin on CPU: run its FSDP2 path anyway (ds_muon.setup.accelerate_fsdp2)
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             use_fsdp2(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))

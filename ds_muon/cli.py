@@ -330,35 +330,37 @@ def cmd_shapes(args) -> int:
 def cmd_convert(args) -> int:
     """Each argument checked (and each phase's failure named by its argument) before the next is used;
     DST is checked before anything is read, so a bad one costs nothing."""
-    from . import convert as cv
+    from .conversion.arguments import load_factory, resolve_config, settings_from
+    from .conversion.read import read
+    from .conversion.regroup import build
+    from .conversion.write import write
+    from .setup.build import build_optimizer
 
     with _about("--set", " ".join(args.set or []), "give KEY=VALUE pairs of muon_param_groups / Muon settings"):
-        settings = cv._settings_from(args.set or []) or None
+        settings = settings_from(args.set or []) or None
     config = None
     if args.config is not None:
         with _about("--config", args.config, "give the DeepSpeed JSON file the run resumes with"):
-            config, settings = cv.resolve_config(args.config, settings)
+            config, settings = resolve_config(args.config, settings)
     with _about("SRC", args.src, "give a DeepSpeed checkpoint folder (ZeRO or universal), a DCP folder or a torch file"):
         if not os.path.exists(args.src):
             raise FileNotFoundError(2, "no such file or folder")
     with _about("DST", args.dst, "give a path in an existing, writable folder"):
         _writable_target(args.dst)
     with _about("--model", None, "give MODULE:CALLABLE that builds the model on the CPU"):
-        model = cv.load_factory(args.model)
-    from .deepspeed import build_optimizer
-
+        model = load_factory(args.model)
     flag = "--set" if args.set or args.config is None else "--config"
     with _about(flag, " ".join(args.set or []) if flag == "--set" else args.config,
                 "give settings of muon_param_groups / Muon (lr=0.02 adam_lr=3e-4 ...; README.md lists them)"):
         build_optimizer(model, dict({"log_summary": False}, **(settings or {})))  # the groups, before any read
     with _about("SRC", args.src, f"give a checkpoint of --source {args.source} (docs/CHECKPOINTS.md lists them)"):
-        named = cv.read(args.src, args.source)
+        named = read(args.src, args.source)
     with _about("SRC", args.src, "give the checkpoint of the model --model builds, with the settings of its "
                                  "groups in --set or --config (or --fresh)"):
-        muon = cv.build(model, named, settings, fresh=args.fresh)
+        muon = build(model, named, settings, fresh=args.fresh)
     with _about("DST", args.dst, "give a path in an existing, writable folder (and --config / --set of these "
                                  "groups)"):
-        out = cv.write(args.to, model, muon, args.dst, config, settings)
+        out = write(args.to, model, muon, args.dst, config, settings)
     print(json.dumps({"converted": os.fspath(args.src), "to": args.to, "out": os.fspath(out)}))
     return 0
 

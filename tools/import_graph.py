@@ -23,16 +23,17 @@ FACE = {"ds_muon", "ds_muon.optimizer", "ds_muon.param_groups", "ds_muon.qk_clip
 DOORS = {"ds_muon.deepspeed", "ds_muon.accelerate", "ds_muon.trainer", "ds_muon.cli", "ds_muon.convert",
          "ds_muon.fsdp", "ds_muon.lightning", "ds_muon.torchtitan", "ds_muon.peft"}
 FRONT_DOORS = FACE | DOORS
+BELOW_FACE = {"integrations", "models", "engine", "rules"}
 MAY_IMPORT = {
     "rules": {"rules"},  # the maths: pure functions of tensors
     "engine": {"engine", "rules"},  # where matrices live, the plan, the exchange, the agreement
     "models": {"models", "engine"},  # what each tensor of a model is
     "integrations": {"integrations", "engine", "models"},  # one file per stack, describing where pieces live
-    # what the front doors share, so no door imports another: a Muon built and bound for a stack; conversion
-    # (until the optimizer's face has a role of its own, "front doors" here stands for it)
-    "setup": {"setup", "front doors", "integrations", "models", "engine", "rules"},
-    "conversion": {"conversion", "setup", "front doors", "integrations", "models", "engine", "rules"},
-    "front doors": {"front doors", "conversion", "setup", "integrations", "models", "engine", "rules"},
+    "face": {"face"} | BELOW_FACE,  # Muon, muon_param_groups, QKClip, find_muon
+    # what the doors share, so that no door imports another: a Muon built and bound for a stack; conversion
+    "setup": {"setup", "face"} | BELOW_FACE,
+    "conversion": {"conversion", "setup", "face"} | BELOW_FACE,
+    "doors": {"conversion", "setup", "face"} | BELOW_FACE,  # never another door
 }
 # The engine's stages, bottom up: a stage imports only the stages below it.  ``moved`` (old paths) is a leaf
 # under them all; any other module at the engine's top level is the step runtime, above them all.
@@ -42,9 +43,9 @@ STAGES = ("moved", "memory", "exchange", "agreement", "plan", "overlap", "report
 def role_of(module: str):
     """The role of a module: its package under ``ds_muon`` (None: a top-level module that is no front door)."""
     parts = module.split(".")
-    if len(parts) >= 2 and parts[1] in MAY_IMPORT:
+    if len(parts) >= 2 and parts[1] in MAY_IMPORT and module not in FRONT_DOORS:
         return parts[1]
-    return "front doors" if module in FRONT_DOORS else None
+    return "face" if module in FACE else "doors" if module in DOORS else None
 
 
 def stage_of(module: str):
@@ -56,9 +57,9 @@ def stage_of(module: str):
 
 
 def layering(graph: Dict[str, Set[str]]):
-    """(violations, homeless): imports against :data:`MAY_IMPORT`, an engine stage importing a stage above it
-    (:data:`STAGES`), a door importing another door (:data:`DOORS`: doors stand side by side, their shared
-    pieces live below them), and modules outside any role's package."""
+    """(violations, homeless): imports against :data:`MAY_IMPORT` (a door importing another door among them:
+    doors stand side by side, what they share lives below them), an engine stage importing a stage above it
+    (:data:`STAGES`), and modules outside any role's package."""
     violations, homeless = [], sorted(m for m in graph if role_of(m) is None)
     for m, deps in sorted(graph.items()):
         for d in sorted(deps):
@@ -67,8 +68,6 @@ def layering(graph: Dict[str, Set[str]]):
             elif role_of(m) and role_of(d) and role_of(d) not in MAY_IMPORT[role_of(m)]:
                 violations.append((m, d))
             elif stage_of(m) and stage_of(d) and STAGES.index(stage_of(d)) > STAGES.index(stage_of(m)):
-                violations.append((m, d))
-            elif m in DOORS and d in DOORS:
                 violations.append((m, d))
     return violations, homeless
 
@@ -80,20 +79,25 @@ def room_of(module: str, package: bool = False) -> str:
 
 
 def floors(graph: Dict[str, Set[str]]) -> Dict[str, int]:
-    """Each top-level module's floor: 1 + the highest floor among the top-level modules it imports, the
-    packages (rules, engine, models, integrations) being the ground floor (1).  The tallest is how high
-    the front doors stand on one another."""
+    """The floor of each module above the packages (the face, what the doors share, the doors): 1 + the highest
+    floor among what it imports, the packages (rules, engine, models, integrations) being the ground floor (1).
+    An import inside one shared package (``setup/``, ``conversion/``) stays on its floor; at the top level every
+    module is a room of its own, so doors importing doors stack up.  The tallest is the house's height."""
     memo: Dict[str, int] = {}
 
+    def above(m: str) -> bool:
+        return role_of(m) not in BELOW_FACE | {None} and m != "ds_muon"
+
     def floor(m: str) -> int:
-        if m not in FRONT_DOORS or m == "ds_muon":
+        if not above(m):
             return 1
         if m not in memo:
             memo[m] = 1  # (a cycle is reported apart)
-            memo[m] = 1 + max((floor(d) for d in graph[m]), default=1)
+            memo[m] = max((floor(d) + (0 if room_of(d) == room_of(m) != "ds_muon" else 1) for d in graph[m]),
+                          default=2)
         return memo[m]
 
-    return {m: floor(m) for m in graph if m in FRONT_DOORS and m != "ds_muon"}
+    return {m: floor(m) for m in graph if above(m)}
 
 
 def longest_chain(graph: Dict[str, Set[str]]) -> List[str]:
@@ -178,7 +182,7 @@ def main() -> int:
         print(f"  {m}")
     tower = floors(graph)
     top = max(tower.values(), default=0)
-    print(f"\nfloors (front doors standing on front doors; the packages are floor 1): {top}")
+    print(f"\nfloors (the face, what the doors share and the doors, over the packages at floor 1): {top}")
     for m in sorted(tower, key=lambda m: (-tower[m], m)):
         print(f"  {tower[m]}  {m}")
     chain = longest_chain(graph)

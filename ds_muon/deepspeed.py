@@ -7,7 +7,7 @@ The config entry::
 
 ``params`` accepts every :class:`ds_muon.Muon` keyword that JSON can express
 (dtypes as strings such as ``"bfloat16"``, tuples as lists, ``cost_model`` as an
-object of :class:`~ds_muon.engine.plan.planner.CostModel` fields) plus ``adam_lr`` and
+object of :class:`~ds_muon.engine.plan.cost_model.CostModel` fields) plus ``adam_lr`` and
 ``adam_weight_decay`` (the AdamW group of :func:`ds_muon.muon_param_groups`).
 Everything else in the config goes to DeepSpeed unchanged, with
 ``zero_allow_untested_optimizer`` set.
@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .engine.plan.planner import CostModel
+from .engine.plan.cost_model import CostModel
 from .integrations.base import FLAT_PARTITION, HOW_TO_BIND
 from .integrations.deepspeed import (DeepSpeedAdapter, allow_client_optimizer_offload, check_no_deepspeed_muon_tags,
                                      check_supported_config)

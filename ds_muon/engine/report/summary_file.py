@@ -123,7 +123,7 @@ def _cost_model(d, where: str):
 
 def summary_from_dict(d, Summary, TensorRow, MatrixRow, RankRow):
     """The :class:`~ds_muon.engine.report.rows.Summary` a saved file holds, every field checked (see the module).
-    (The classes are passed in: :mod:`ds_muon.engine.report.summary` imports this module.)"""
+    (The classes are passed in: :mod:`ds_muon.engine.report.rows` imports this module.)"""
     d = _fields(d, Summary, "the file")
     world = _int(d["world_size"], "world_size", 1)
     tensors = [_tensor(t, f"tensors[{k}]", TensorRow, MatrixRow) for k, t in enumerate(_list(d["tensors"], "tensors"))]

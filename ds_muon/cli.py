@@ -21,8 +21,8 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from .engine.plan import costs
-from .engine.plan.planner import EXCHANGES, CostModel, ranks_per_node_from_env
+from .engine.plan import costs, mesh_costs
+from .engine.plan.cost_model import EXCHANGES, CostModel, ranks_per_node_from_env
 
 MAX_WORLD_SIZE = 65536  # llama-7b's table at 65536 ranks: ~25 s and ~0.7 GB here; beyond, the planner's inputs outgrow memory
 MAX_NS_STEPS = 100
@@ -95,10 +95,10 @@ def _writable_target(path: str) -> None:
 
 
 def _mesh_spec(text: str) -> str:
-    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.engine.plan.costs.parse_mesh` reads, of at most
+    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.engine.plan.mesh_costs.parse_mesh` reads, of at most
     :data:`MAX_WORLD_SIZE` ranks."""
     try:
-        _, outer, inner = costs.parse_mesh(text)
+        _, outer, inner = mesh_costs.parse_mesh(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if outer * inner > MAX_WORLD_SIZE:
@@ -242,8 +242,8 @@ def plot_rows(rows: List[dict], path: str) -> None:
 
 
 def mesh_table(shapes, meshes: Sequence[str], cm: CostModel, ns_steps: int = 5) -> List[dict]:
-    """Rows of :func:`ds_muon.engine.plan.costs.mesh_rows` for each mesh spec (``replicate=R,shard=S``, ``dp=D,tp=T``)."""
-    return [r for m in meshes for r in costs.mesh_rows([s for _, s in shapes], m, cm, ns_steps)]
+    """Rows of :func:`ds_muon.engine.plan.mesh_costs.mesh_rows` for each mesh spec (``replicate=R,shard=S``, ``dp=D,tp=T``)."""
+    return [r for m in meshes for r in mesh_costs.mesh_rows([s for _, s in shapes], m, cm, ns_steps)]
 
 
 def _print_table(rows: List[dict]) -> None:
@@ -275,7 +275,7 @@ def cmd_plan(args) -> int:
         return 0
     rows = []
     if args.summary:  # the run's own world and holdings first, then any --world-sizes by --layout
-        from .engine.report.summary import Summary
+        from .engine.report.rows import Summary
 
         with _about("--summary", args.summary, "give the JSON a run wrote with Muon.summary().save(PATH)"):
             run = Summary.load(args.summary)

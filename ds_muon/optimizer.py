@@ -37,7 +37,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as functional_adamw
 
-from .engine.agreement.check import Agreement, LocalFailure, settings_of
+from .engine.agreement.check import Agreement
+from .engine.agreement.fingerprints import settings_of
+from .engine.agreement.local_failure import LocalFailure
 from .engine.plan.compile import ExchangeCache, ExchangeGroups, NSSettings, compile_exchanges, exchange_key
 from .engine.exchange.all_to_all import Exchange
 from .engine.agreement.identity import next_ordinal
@@ -48,12 +50,14 @@ from .engine.exchange.layout import _DTENSOR_OR_NONE, Layout, ParamBinding, buil
 from .engine.memory.offload import accelerator
 from .engine.overlap import OverlapSettings, Wave
 from .engine.exchange.pieces import WavePieces
-from .engine.plan.planner import STRATEGIES, CostModel
+from .engine.plan.cost_model import CostModel
+from .engine.plan.planner import STRATEGIES
 from .engine.exchange.row_moments import (KEY as NORMUON_V, RowMoments, agree_after_load, check_loaded_moments,
                                  check_moments, fsdp1_moments,
                                  is_normuon, new_moment, restore_moments, split_moments)
 from .engine.agreement.state_check import check_loaded_state, check_state
-from .engine.report.summary import Summary, log_first_step, summarize, summarize_planned
+from .engine.report.rows import Summary
+from .engine.report.summary import log_first_step, summarize, summarize_planned
 from .engine.exchange.tag_keys import restore_tags
 from .engine.plan.team import TeamGroups
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
@@ -462,7 +466,7 @@ class Muon(Optimizer):
 
     def _stages(self, loss, failed=None):
         """The stages of :meth:`step`, in order (see the module docstring); ``failed``: this
-        rank's failed local check (:class:`~ds_muon.engine.agreement.check.LocalFailure`), raised in stage 1."""
+        rank's failed local check (:class:`~ds_muon.engine.agreement.local_failure.LocalFailure`), raised in stage 1."""
         active = self._check(failed)  # 1. which tensors step, agreed by every rank
         if active is None:
             return loss

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from ..engine.plan.planner import CostModel
+from ..engine.plan.cost_model import CostModel
 from ..integrations.deepspeed import allow_client_optimizer_offload, check_supported_config
 from ..optimizer import Muon
 

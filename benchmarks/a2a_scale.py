@@ -6,7 +6,7 @@ r-1..r-k (mod W); every other split is zero.  For each world size (gloo ranks on
 machine, one thread each) and k, both transports run in the same processes, alternating
 per repeat, and the slowest rank's median per call is reported in wall time and in process
 CPU time (the machine is shared: wall swings, CPU time much less).  Then the planner's model
-(:meth:`ds_muon.engine.plan.planner.CostModel.transport_seconds`) at W = 1k-10k.
+(:meth:`ds_muon.engine.plan.cost_model.CostModel.transport_seconds`) at W = 1k-10k.
 
 What a few CPU processes cannot show: NCCL's per-peer cost of an all_to_all, its
 connections (one per peer, each with its own buffers) and the network at thousands of ranks.
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from common import header, table
 
 import dist_harness
-from ds_muon.engine.plan.planner import CostModel
+from ds_muon.engine.plan.cost_model import CostModel
 
 
 def _pattern(rank: int, world: int, k: int, elems: int):

@@ -21,7 +21,7 @@ from common import header, table, timed_steps
 
 import dist_harness
 import ds_muon
-from ds_muon.engine.plan.planner import CostModel
+from ds_muon.engine.plan.cost_model import CostModel
 from step_time import SHAPES as NS_HEAVY, _calibrate
 
 SETS = {"small (64 x 128x128)": [(128, 128)] * 64, "NS-heavy (step_time.py)": NS_HEAVY}

@@ -29,7 +29,7 @@ from common import header, table, timed_steps
 import dist_harness
 import ds_muon
 from ds_muon.rules.newton_schulz import ns_flops
-from ds_muon.engine.plan.planner import CostModel
+from ds_muon.engine.plan.cost_model import CostModel
 
 SHAPES = [(256, 256), (256, 512), (512, 256)] * 4
 PER_GROUP = CostModel(flops_per_s=1e15, bytes_per_s=1e6, ranks_per_node=2, intra_bytes_per_s=1e12)

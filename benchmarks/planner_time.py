@@ -16,7 +16,8 @@ from common import header, table
 
 from ds_muon.engine.plan import costs
 from ds_muon.cli import load_shapes
-from ds_muon.engine.plan.planner import CostModel, plan_multi_homes
+from ds_muon.engine.plan.cost_model import CostModel
+from ds_muon.engine.plan.planner import plan_multi_homes
 
 CASES = [("gpt-125m", 8, "replicated"), ("gpt-125m", 64, "replicated"), ("llama-1b", 8, "replicated"),
          ("llama-1b", 64, "replicated"), ("llama-7b", 1024, "replicated"), ("llama-7b", 4096, "replicated"),

@@ -26,7 +26,7 @@ import ds_muon
 from ds_muon.engine.plan import costs
 from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
 from ds_muon.rules.newton_schulz import ns_flops
-from ds_muon.engine.plan.planner import CostModel
+from ds_muon.engine.plan.cost_model import CostModel
 
 SHAPES = [(512, 512), (512, 2048), (2048, 512)] * 8
 

@@ -5,7 +5,8 @@ from .engine import moved
 moved.install()  # old module paths, one release more (ds_muon.engine.moved)
 
 from .engine.exchange.layout import Layout, MatrixSlot, ParamBinding, Piece
-from .engine.plan.planner import CostModel, MatrixTask, Plan, plan_homes
+from .engine.plan.cost_model import CostModel, MatrixTask, Plan
+from .engine.plan.planner import plan_homes
 from .models.tags import domain, expert_weight, fused_blocks, split_rows, tensor_parallel, transposed
 from .optimizer import Muon
 from .param_groups import muon_param_groups

@@ -21,8 +21,8 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from .engine.plan import costs
-from .engine.plan.planner import EXCHANGES, CostModel, ranks_per_node_from_env
+from .engine.plan import costs, mesh_costs
+from .engine.plan.cost_model import EXCHANGES, CostModel, ranks_per_node_from_env
 
 MAX_WORLD_SIZE = 65536  # llama-7b's table at 65536 ranks: ~25 s and ~0.7 GB here; beyond, the planner's inputs outgrow memory
 MAX_NS_STEPS = 100
@@ -95,10 +95,10 @@ def _writable_target(path: str) -> None:
 
 
 def _mesh_spec(text: str) -> str:
-    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.engine.plan.costs.parse_mesh` reads, of at most
+    """An argparse ``type`` for ``--mesh``: a spec :func:`ds_muon.engine.plan.mesh_costs.parse_mesh` reads, of at most
     :data:`MAX_WORLD_SIZE` ranks."""
     try:
-        _, outer, inner = costs.parse_mesh(text)
+        _, outer, inner = mesh_costs.parse_mesh(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if outer * inner > MAX_WORLD_SIZE:
@@ -242,8 +242,8 @@ def plot_rows(rows: List[dict], path: str) -> None:
 
 
 def mesh_table(shapes, meshes: Sequence[str], cm: CostModel, ns_steps: int = 5) -> List[dict]:
-    """Rows of :func:`ds_muon.engine.plan.costs.mesh_rows` for each mesh spec (``replicate=R,shard=S``, ``dp=D,tp=T``)."""
-    return [r for m in meshes for r in costs.mesh_rows([s for _, s in shapes], m, cm, ns_steps)]
+    """Rows of :func:`ds_muon.engine.plan.mesh_costs.mesh_rows` for each mesh spec (``replicate=R,shard=S``, ``dp=D,tp=T``)."""
+    return [r for m in meshes for r in mesh_costs.mesh_rows([s for _, s in shapes], m, cm, ns_steps)]
 
 
 def _print_table(rows: List[dict]) -> None:
@@ -275,7 +275,7 @@ def cmd_plan(args) -> int:
         return 0
     rows = []
     if args.summary:  # the run's own world and holdings first, then any --world-sizes by --layout
-        from .engine.report.summary import Summary
+        from .engine.report.rows import Summary
 
         with _about("--summary", args.summary, "give the JSON a run wrote with Muon.summary().save(PATH)"):
             run = Summary.load(args.summary)
@@ -330,35 +330,37 @@ def cmd_shapes(args) -> int:
 def cmd_convert(args) -> int:
     """Each argument checked (and each phase's failure named by its argument) before the next is used;
     DST is checked before anything is read, so a bad one costs nothing."""
-    from . import convert as cv
+    from .conversion.arguments import load_factory, resolve_config, settings_from
+    from .conversion.read import read
+    from .conversion.regroup import build
+    from .conversion.write import write
+    from .setup.build import build_optimizer
 
     with _about("--set", " ".join(args.set or []), "give KEY=VALUE pairs of muon_param_groups / Muon settings"):
-        settings = cv._settings_from(args.set or []) or None
+        settings = settings_from(args.set or []) or None
     config = None
     if args.config is not None:
         with _about("--config", args.config, "give the DeepSpeed JSON file the run resumes with"):
-            config, settings = cv.resolve_config(args.config, settings)
+            config, settings = resolve_config(args.config, settings)
     with _about("SRC", args.src, "give a DeepSpeed checkpoint folder (ZeRO or universal), a DCP folder or a torch file"):
         if not os.path.exists(args.src):
             raise FileNotFoundError(2, "no such file or folder")
     with _about("DST", args.dst, "give a path in an existing, writable folder"):
         _writable_target(args.dst)
     with _about("--model", None, "give MODULE:CALLABLE that builds the model on the CPU"):
-        model = cv.load_factory(args.model)
-    from .deepspeed import build_optimizer
-
+        model = load_factory(args.model)
     flag = "--set" if args.set or args.config is None else "--config"
     with _about(flag, " ".join(args.set or []) if flag == "--set" else args.config,
                 "give settings of muon_param_groups / Muon (lr=0.02 adam_lr=3e-4 ...; README.md lists them)"):
         build_optimizer(model, dict({"log_summary": False}, **(settings or {})))  # the groups, before any read
     with _about("SRC", args.src, f"give a checkpoint of --source {args.source} (docs/CHECKPOINTS.md lists them)"):
-        named = cv.read(args.src, args.source)
+        named = read(args.src, args.source)
     with _about("SRC", args.src, "give the checkpoint of the model --model builds, with the settings of its "
                                  "groups in --set or --config (or --fresh)"):
-        muon = cv.build(model, named, settings, fresh=args.fresh)
+        muon = build(model, named, settings, fresh=args.fresh)
     with _about("DST", args.dst, "give a path in an existing, writable folder (and --config / --set of these "
                                  "groups)"):
-        out = cv.write(args.to, model, muon, args.dst, config, settings)
+        out = write(args.to, model, muon, args.dst, config, settings)
     print(json.dumps({"converted": os.fspath(args.src), "to": args.to, "out": os.fspath(out)}))
     return 0
 

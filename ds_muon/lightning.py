@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from .setup.deepspeed_initialize import initialize
+from .setup.dsmuon_entry import is_dsmuon_entry
 from .unwrap import find_muon
 
 try:
@@ -60,20 +62,18 @@ def _initialize(strategy, model, optimizer, scheduler):
     """``deepspeed.initialize`` as Lightning calls it, through ds_muon's (which binds the Muon)."""
     import argparse
 
-    from . import deepspeed as ds_muon_deepspeed
-
     config = strategy.config
-    if optimizer is None and not ds_muon_deepspeed.is_dsmuon_entry(config):
+    if optimizer is None and not is_dsmuon_entry(config):
         raise ValueError("ds_muon.lightning: no optimizer reached the DeepSpeed strategy; return "
                          "ds_muon.Muon(ds_muon.muon_param_groups(self)) from configure_optimizers (Fabric: pass it to "
                          'fabric.setup), or put "optimizer": {"type": "DsMuon", ...} in the strategy\'s config')
     if optimizer is not None and find_muon(optimizer, required=False) is None:
         raise TypeError(f"ds_muon.lightning: the optimizer is a {type(optimizer).__name__}, not a ds_muon.Muon; use "
                         "Lightning's own DeepSpeedStrategy for other optimizers")
-    model_parameters = None if ds_muon_deepspeed.is_dsmuon_entry(config) else [
+    model_parameters = None if is_dsmuon_entry(config) else [
         p for p in model.parameters() if p.requires_grad]
     index = strategy.root_device.index  # None on CPU, where DeepSpeed reads LOCAL_RANK itself
-    return ds_muon_deepspeed.initialize(
+    return initialize(
         args=None if index is None else argparse.Namespace(device_rank=index), config=config, model=model,
         model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=scheduler, dist_init_required=False)
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from .engine.agreement.check import LocalFailure
+from .engine.agreement.local_failure import LocalFailure
 from .engine.agreement.identity import next_ordinal
 from .engine.agreement.settings import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_edited_keys,
                                         check_given_keys, check_keyword_booleans, check_loaded_groups, check_settings,

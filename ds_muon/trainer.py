@@ -27,8 +27,12 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .accelerate import use_fsdp2, no_gpu, build_deepspeed_muon, build_muon, find_muon, take_dsmuon_entry
 from .optimizer import Muon
+from .setup.accelerate_fsdp2 import no_gpu, use_fsdp2
+from .setup.build import build_deepspeed_muon, build_muon
+from .setup.deepspeed_bind import bind
+from .setup.dsmuon_entry import take_dsmuon_entry
+from .unwrap import find_muon
 
 __all__ = ["MuonTrainer"]
 
@@ -67,7 +71,7 @@ class MuonTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled and no_gpu():
-            # accelerate dropped the FSDP plugin on CPU: run its FSDP2 path anyway (ds_muon.accelerate)
+            # accelerate dropped the FSDP plugin on CPU: run its FSDP2 path anyway (ds_muon.setup.accelerate_fsdp2)
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             use_fsdp2(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
@@ -103,10 +107,8 @@ class MuonTrainer(Trainer):
 
     def _bind_engine(self, engine=None) -> None:
         if self.is_deepspeed_enabled:
-            from .deepspeed import bind
-
             engine = engine if engine is not None else self.model_wrapped
-            if find_muon(getattr(engine, "optimizer", None)) is not self.muon:
+            if find_muon(getattr(engine, "optimizer", None), required=False) is not self.muon:
                 raise RuntimeError("MuonTrainer: the DeepSpeed engine does not step this trainer's ds_muon.Muon")
             if self.muon.adapter is None or getattr(self.muon.adapter, "engine", None) is not engine:
                 bind(engine, self.muon)

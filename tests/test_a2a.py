@@ -6,7 +6,7 @@ from torch import nn
 
 import ds_muon
 from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
-from ds_muon.engine.plan.planner import CostModel
+from ds_muon.engine.plan.cost_model import CostModel
 
 import dist_harness
 from models import HandAdapter

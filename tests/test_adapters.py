@@ -68,6 +68,13 @@ def test_the_layering_check_reports_what_crosses():
                                ("ds_muon.integrations.d", "ds_muon.optimizer")}
     assert homeless == ["ds_muon.helpers"]
     assert tool.cycles(graph) == [["ds_muon.integrations.d", "ds_muon.optimizer", "ds_muon.integrations.d"]]
+    # an engine stage reading a stage above it, and a door standing on another door, are each reported too
+    staged = {"ds_muon.engine.exchange.a": {"ds_muon.engine.plan.b"}, "ds_muon.engine.plan.b": {"ds_muon.engine.exchange.a"},
+              "ds_muon.engine.runtime": {"ds_muon.engine.plan.b"}, "ds_muon.cli": {"ds_muon.convert"},
+              "ds_muon.convert": {"ds_muon.optimizer"}, "ds_muon.optimizer": set()}
+    assert tool.layering(staged) == ([("ds_muon.cli", "ds_muon.convert"),
+                                      ("ds_muon.engine.exchange.a", "ds_muon.engine.plan.b")], [])
+    assert tool.floors(staged) == {"ds_muon.cli": 4, "ds_muon.convert": 3, "ds_muon.optimizer": 2}
 
 
 def test_every_adapter_follows_the_protocol():

@@ -8,24 +8,24 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine.agreement import check as agreement
-from ds_muon.engine.plan.planner import CostModel
+from ds_muon.engine.agreement import fingerprints, table
+from ds_muon.engine.plan.cost_model import CostModel
 
 import dist_harness
 import test_ns_kernels
 
 
 def test_hashes_differ_exactly_when_contributions_differ():
-    rows = lambda hs: [sum(col) for col in zip(*(agreement.hashed_row(h) for h in hs))]  # noqa: E731
-    assert not agreement.hashes_differ(rows([7, 7, 7, 7]))
-    assert not agreement.hashes_differ(rows([agreement.HASH_MOD - 1] * 3))
-    assert agreement.hashes_differ(rows([7, 7, 8, 7]))
-    assert agreement.hashes_differ(rows([0, 14]))  # same sum as (7, 7), different squares
-    assert not agreement.hashes_differ(rows([5]))  # one contributor agrees with itself
+    rows = lambda hs: [sum(col) for col in zip(*(table.hashed_row(h) for h in hs))]  # noqa: E731
+    assert not table.hashes_differ(rows([7, 7, 7, 7]))
+    assert not table.hashes_differ(rows([fingerprints.HASH_MOD - 1] * 3))
+    assert table.hashes_differ(rows([7, 7, 8, 7]))
+    assert table.hashes_differ(rows([0, 14]))  # same sum as (7, 7), different squares
+    assert not table.hashes_differ(rows([5]))  # one contributor agrees with itself
     g = torch.randn(100)
-    a = agreement.minmax_hash(torch.stack(torch.aminmax(g)).unsqueeze(0))
-    b = agreement.minmax_hash(torch.stack(torch.aminmax(g.clone())).unsqueeze(0))
-    c = agreement.minmax_hash(torch.stack(torch.aminmax(g * 1.0001)).unsqueeze(0))
+    a = fingerprints.minmax_hash(torch.stack(torch.aminmax(g)).unsqueeze(0))
+    b = fingerprints.minmax_hash(torch.stack(torch.aminmax(g.clone())).unsqueeze(0))
+    c = fingerprints.minmax_hash(torch.stack(torch.aminmax(g * 1.0001)).unsqueeze(0))
     assert a.item() == b.item() != c.item()
 
 

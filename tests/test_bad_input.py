@@ -21,7 +21,7 @@ import dist_harness
 import ds_muon
 from ds_muon import cli
 from ds_muon.deepspeed import build_optimizer
-from ds_muon.engine.report.summary import Summary
+from ds_muon.engine.report.rows import Summary
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from ds_muon import cli
-from ds_muon.engine.plan import costs
-from ds_muon.engine.plan.planner import CostModel, MatrixTask, plan_homes
+from ds_muon.engine.plan import costs, mesh_costs
+from ds_muon.engine.plan.cost_model import CostModel, MatrixTask
+from ds_muon.engine.plan.planner import plan_homes
 
 
 def test_plan_preset_json_all_strategies(capsys):
@@ -105,14 +106,14 @@ def test_mesh_hsdp_by_hand():
     cm = CostModel(ranks_per_node=2, intra_bytes_per_s=4e9, bytes_per_s=1e9)
     t = MatrixTask(64, 64)
     piece = 64 * 64 * 2 / 2
-    today = costs.hsdp_cost([t], 2, 2, "per_replica", cm)
+    today = mesh_costs.hsdp_cost([t], 2, 2, "per_replica", cm)
     assert today.ns_flops == [t.flops, 0.0, t.flops, 0.0]  # NS once per replica group
     assert today.intra == [2 * piece] * 4 and today.inter == [0.0] * 4
-    once = costs.hsdp_cost([t], 2, 2, "one_home", cm)
+    once = mesh_costs.hsdp_cost([t], 2, 2, "one_home", cm)
     assert once.ns_flops == [t.flops, 0.0, 0.0, 0.0]  # once in the world
     assert once.intra == [2 * piece, 2 * piece, 0.0, 0.0]
     assert once.inter == [piece] * 4  # home group forwards its pieces, the other replica receives them
-    dup = costs.hsdp_cost([t], 2, 2, "duplicated", cm)
+    dup = mesh_costs.hsdp_cost([t], 2, 2, "duplicated", cm)
     assert dup.ns_flops == [t.flops] * 4 and dup.inter == [0.0] * 4
 
 
@@ -121,24 +122,24 @@ def test_mesh_choice_follows_the_cost_model():
     tasks = [MatrixTask(512, 512)] * 8
     slow_ns = CostModel(flops_per_s=1e12, bytes_per_s=1e12, ranks_per_node=4)
     slow_net = CostModel(flops_per_s=1e15, bytes_per_s=1e6, ranks_per_node=4)
-    assert costs.dedupe_pays(tasks[0], slow_ns) and not costs.dedupe_pays(tasks[0], slow_net)
-    a = costs.hsdp_cost(tasks, 4, 4, "hierarchical", slow_ns)
-    b = costs.hsdp_cost(tasks, 4, 4, "hierarchical", slow_net)
-    assert a.step_seconds() == costs.hsdp_cost(tasks, 4, 4, "one_home", slow_ns).step_seconds()
-    assert b.step_seconds() == costs.hsdp_cost(tasks, 4, 4, "per_replica", slow_net).step_seconds()
+    assert mesh_costs.dedupe_pays(tasks[0], slow_ns) and not mesh_costs.dedupe_pays(tasks[0], slow_net)
+    a = mesh_costs.hsdp_cost(tasks, 4, 4, "hierarchical", slow_ns)
+    b = mesh_costs.hsdp_cost(tasks, 4, 4, "hierarchical", slow_net)
+    assert a.step_seconds() == mesh_costs.hsdp_cost(tasks, 4, 4, "one_home", slow_ns).step_seconds()
+    assert b.step_seconds() == mesh_costs.hsdp_cost(tasks, 4, 4, "per_replica", slow_net).step_seconds()
     assert max(b.inter) == 0 and max(a.ns_flops) < max(b.ns_flops)
     for cm in (slow_ns, slow_net):  # never slower than either pure plan
-        h = costs.hsdp_cost(tasks, 4, 4, "hierarchical", cm).step_seconds()
-        assert h <= min(costs.hsdp_cost(tasks, 4, 4, s, cm).step_seconds() for s in ("one_home", "per_replica"))
+        h = mesh_costs.hsdp_cost(tasks, 4, 4, "hierarchical", cm).step_seconds()
+        assert h <= min(mesh_costs.hsdp_cost(tasks, 4, 4, s, cm).step_seconds() for s in ("one_home", "per_replica"))
 
 
 def test_plan_mesh_cli(capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert cli.main(["plan", "--preset", "gpt-125m", "--mesh", "replicate=4,shard=8", "dp=4,tp=8", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    n = len(costs.MESH_STRATEGIES)
+    n = len(mesh_costs.MESH_STRATEGIES)
     assert [r["mesh"] for r in rows] == ["replicate=4,shard=8"] * n + ["dp=4,tp=8"] * n
-    assert [r["strategy"] for r in rows[:n]] == list(costs.MESH_STRATEGIES)
+    assert [r["strategy"] for r in rows[:n]] == list(mesh_costs.MESH_STRATEGIES)
     hsdp = {r["strategy"]: r for r in rows[:n]}
     assert hsdp["per_replica"]["max_inter_node_MB"] == 0  # shard groups inside a node
     assert hsdp["one_home"]["ns_tflop_per_rank"] < hsdp["per_replica"]["ns_tflop_per_rank"]
@@ -152,15 +153,16 @@ def test_mesh_auto_row_is_the_optimizers_plan():
     """The mesh table's "auto" row plans on the optimizer's input: the holdings and replica groups an HSDP
     2x2 layout gives the planner (as tests/test_mesh_plan.py's), so bytes between replica groups
     follow the cost model exactly as in the optimizer."""
-    from ds_muon.engine.plan.planner import plan_multi_homes, replica_groups
+    from ds_muon.engine.exchange.routes import replica_groups
+    from ds_muon.engine.plan.planner import plan_multi_homes
 
     n = 1024
-    tasks = costs.mesh_tasks([(n, n)] * 4, "hsdp", 2, 2)
+    tasks = mesh_costs.mesh_tasks([(n, n)] * 4, "hsdp", 2, 2)
     assert tasks == [MatrixTask(n, n, 5, 2, (n * n // 2,) * 4, groups=replica_groups([[0, 2], [1, 3]]))] * 4
     dear_bytes = CostModel(flops_per_s=1e15, bytes_per_s=1e6, ranks_per_node=2, intra_bytes_per_s=1e12)
     dear_ns = CostModel(flops_per_s=1e3, bytes_per_s=1e12, ranks_per_node=2, intra_bytes_per_s=1e12)
     for cm, several in ((dear_bytes, 4), (dear_ns, 0)):
-        row = {r["strategy"]: r for r in costs.mesh_rows([(n, n)] * 4, "replicate=2,shard=2", cm)}["auto"]
+        row = {r["strategy"]: r for r in mesh_costs.mesh_rows([(n, n)] * 4, "replicate=2,shard=2", cm)}["auto"]
         homes = plan_multi_homes(tasks, 4, cm)
         assert sum(len(h) > 1 for h in homes) == several and f"{several} of 4 with several homes" in row["note"]
         assert (row["max_inter_node_MB"] == 0) == (several == 4), (row, homes)
@@ -169,13 +171,14 @@ def test_mesh_auto_row_is_the_optimizers_plan():
 @pytest.mark.parametrize("spec", ["replicate=4", "pp=2,dp=4", "dp=x,tp=2", "dp=0,tp=8"])
 def test_bad_mesh_names_the_flag(spec):
     with pytest.raises(ValueError, match="--mesh"):
-        costs.parse_mesh(spec)
+        mesh_costs.parse_mesh(spec)
 
 
 def test_auto_row_is_the_optimizers_plan():
     """`--strategies auto` counts plan_multi_homes' homes: duplication for a small DDP model, where
     one home per matrix must send every result to W-1 ranks."""
-    from ds_muon.engine.plan.planner import plan_multi_homes, rank_seconds
+    from ds_muon.engine.plan.cost_model import rank_seconds
+    from ds_muon.engine.plan.planner import plan_multi_homes
 
     shapes = [(768, 768)] * 8 + [(3072, 768)] * 4
     cm = CostModel()

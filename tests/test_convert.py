@@ -16,6 +16,7 @@ from torch import nn
 import ds_muon
 import dist_harness
 from ds_muon import convert as cv
+from ds_muon.conversion.write import one_rank_group
 
 
 class Net(nn.Module):
@@ -260,7 +261,7 @@ def test_dcp_of_torch_muon_and_adamw_converts_and_resumes_bitwise(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    with dist_harness.one_thread(), cv._one_rank_group():
+    with dist_harness.one_thread(), one_rank_group():
         a = net()
         pair = torch_pair(a)
         run(a, pair, 2)
@@ -284,7 +285,7 @@ def test_dcp_of_another_model_refused_changing_nothing(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    with cv._one_rank_group():
+    with one_rank_group():
         a = net()
         muon = ds_muon_for(a)
         run(a, [muon], 1)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import ds_muon
-from ds_muon.engine.plan.planner import CostModel, MatrixTask, plan_homes, plan_multi_homes
+from ds_muon.engine.plan.cost_model import CostModel, MatrixTask
+from ds_muon.engine.plan.planner import plan_homes, plan_multi_homes
 
 import dist_harness
 from test_sharded_engine import SHAPES, STEPS, _grads, _initial, _opts, count_collectives, reference
@@ -76,7 +77,7 @@ def test_partitioned_matrices_get_no_extra_home():
 def test_slow_inter_node_link_keeps_results_inside_nodes():
     """Two nodes of two ranks: with a slow link between nodes no result crosses it; with fast links
     one home per matrix as before."""
-    from ds_muon.engine.plan.planner import pair_traffic
+    from ds_muon.engine.plan.cost_model import pair_traffic
 
     tasks = [MatrixTask(256, 256, 5, 2, (256 * 256,) * 4) for _ in range(8)]
     slow_inter = CostModel(bytes_per_s=1e9, intra_bytes_per_s=1e12, ranks_per_node=2)
@@ -89,7 +90,7 @@ def test_slow_inter_node_link_keeps_results_inside_nodes():
     assert all(len(h) == 1 for h in plan_multi_homes(tasks, 4, fast))
     # Under the node-aware model the plan beats one home per matrix.  (The search used to stop at a
     # mix of homes, 10.20 us modelled; trying whole-prefix duplication first finds NS everywhere, 10.07 us.)
-    from ds_muon.engine.plan.planner import rank_seconds
+    from ds_muon.engine.plan.cost_model import rank_seconds
 
     def step(plan):
         per_rank = [0.0] * 4

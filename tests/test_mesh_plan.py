@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 import ds_muon
-from ds_muon.engine.plan.planner import CostModel, MatrixTask, pair_traffic, plan_multi_homes, replica_groups
+from ds_muon.engine.exchange.routes import replica_groups
+from ds_muon.engine.plan.cost_model import CostModel, MatrixTask, pair_traffic
+from ds_muon.engine.plan.planner import plan_multi_homes
 
 import dist_harness
 from test_mesh import DTYPES, OPTS, GatedMLP, _check_parity, _ns_work, _wrap, record

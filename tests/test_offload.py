@@ -302,7 +302,8 @@ def test_plan_models_offload_pcie_traffic(capsys):
 
     from ds_muon import cli
     from ds_muon.engine.plan import costs
-    from ds_muon.engine.plan.planner import CostModel, MatrixTask, host_traffic, plan_homes
+    from ds_muon.engine.plan.cost_model import CostModel, MatrixTask, host_traffic
+    from ds_muon.engine.plan.planner import plan_homes
 
     tasks = [MatrixTask(64, 32, held=(2048, 0)), MatrixTask(32, 32, held=(512, 512)), MatrixTask(16, 64, held=(0, 1024))]
     assert host_traffic(tasks, 2) == [2 * 2 * (2048 + 512), 2 * 2 * (512 + 1024)]

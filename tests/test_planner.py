@@ -8,7 +8,8 @@ import pytest
 
 from ds_muon.engine.plan.costs import ns_lower_bound
 from ds_muon.rules.newton_schulz import ns_flops
-from ds_muon.engine.plan.planner import CostModel, MatrixTask, gather_traffic, plan_homes, task_traffic
+from ds_muon.engine.plan.cost_model import CostModel, MatrixTask, gather_traffic, task_traffic
+from ds_muon.engine.plan.planner import plan_homes
 
 
 def gpt_shapes(layers=12, d=768):
@@ -162,7 +163,7 @@ def test_traffic_by_hand():
 
 def test_hierarchical_links_and_env(monkeypatch):
     """Bytes between ranks of one node go at the intra-node rate, the rest at the inter-node rate."""
-    from ds_muon.engine.plan.planner import rank_seconds, ranks_per_node_from_env
+    from ds_muon.engine.plan.cost_model import rank_seconds, ranks_per_node_from_env
 
     flat = CostModel(bytes_per_s=1e9)
     two = CostModel(bytes_per_s=1e9, intra_bytes_per_s=8e9, ranks_per_node=2)
@@ -209,7 +210,8 @@ def test_dense_costs_equal_the_dict_formulas():
     """The planner weighs moves on dense per-rank vectors (``_Costs``, ``_home_seconds``), with a closed
     form where the homes hold the matrix whole (DDP); they must equal :func:`rank_seconds` and
     ``CostModel.seconds`` of :func:`task_traffic` exactly, rank for rank, or plans would drift."""
-    from ds_muon.engine.plan.planner import _Costs, _home_seconds, rank_seconds, replica_groups
+    from ds_muon.engine.exchange.routes import replica_groups
+    from ds_muon.engine.plan.cost_model import _Costs, _home_seconds, rank_seconds
 
     world = 6
     tasks = [MatrixTask(48, 32, 5, 2, (48 * 32,) * world),  # DDP: whole everywhere

@@ -41,14 +41,14 @@ def _muon_groups(muon):
 
 def test_every_group_setting_of_muon_is_a_front_door_setting():
     """The names: every Muon keyword that is a group setting is accepted by the JSON and by prepare/Trainer."""
-    from ds_muon.accelerate import _MUON_KEYS
     from ds_muon.deepspeed import accepted_params
+    from ds_muon.setup.build import MUON_SETTINGS  # what prepare and MuonTrainer accept
 
     defaults = ds_muon.Muon([_model()[0].weight]).defaults
     group_keywords = [k for k in IN_MUON if k in defaults]
     assert "weight_decay_mode" in group_keywords
     missing = {door: [k for k in group_keywords if k not in keys]
-               for door, keys in (("DsMuon JSON", accepted_params()), ("accelerate/Trainer", _MUON_KEYS))}
+               for door, keys in (("DsMuon JSON", accepted_params()), ("accelerate/Trainer", MUON_SETTINGS))}
     assert not any(missing.values()), missing
 
 

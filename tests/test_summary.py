@@ -22,7 +22,7 @@ from torch import nn
 import ds_muon
 from ds_muon.engine.exchange.layout import matrix_shape
 from ds_muon.rules.newton_schulz import ns_flops
-from ds_muon.engine.plan.planner import CostModel
+from ds_muon.engine.plan.cost_model import CostModel
 from ds_muon.engine.exchange.tag_keys import is_transposed
 from ds_muon.rules.update import apply_coefficients
 
@@ -164,7 +164,7 @@ def test_hand_built_groups_say_user_group():
 def test_saved_summary_feeds_ds_muon_plan(tmp_path, capsys):
     from ds_muon import cli
     from ds_muon.engine.plan import costs
-    from ds_muon.engine.report.summary import Summary
+    from ds_muon.engine.report.rows import Summary
 
     s = ds_muon.Muon(ds_muon.muon_param_groups(tiny_llama(), lr=LR)).summary()
     s.save(tmp_path / "run.json")
@@ -456,7 +456,7 @@ def test_hsdp_summary_and_its_plan_table_are_the_optimizers_plan(tmp_path):
     mean = sum(x["ns_flops"] for x in ranks) / 4
     assert plan["ns_max_over_mean"] == round(max(x["ns_flops"] for x in ranks) / mean, 4)
     # saved and loaded (ds-muon plan --summary): the same table
-    from ds_muon.engine.report.summary import Summary
+    from ds_muon.engine.report.rows import Summary
     from test_mesh_plan import INTER_EXPENSIVE
 
     path = tmp_path / "hsdp.json"

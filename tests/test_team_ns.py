@@ -14,7 +14,9 @@ from torch import nn
 
 import ds_muon
 from ds_muon.engine.exchange.layout import Piece, ParamBinding, slots_in_range
-from ds_muon.engine.plan.planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, team_seconds
+from ds_muon.engine.plan.cost_model import CostModel, MatrixTask
+from ds_muon.engine.plan.planner import plan_multi_homes
+from ds_muon.engine.plan.team_plan import plan_teams, team_seconds
 from ds_muon.engine.plan.team import block_shape, segments, team_bounds
 
 import dist_harness
@@ -88,7 +90,7 @@ def test_planner_teams_the_matrix_that_bounds_the_step_where_it_pays():
 
 
 def plan_step(tasks, world, cm, homes):
-    from ds_muon.engine.plan.planner import _Costs
+    from ds_muon.engine.plan.cost_model import _Costs
     costs = _Costs(tasks, world, cm)
     return sum(costs(i, tuple(h)) for i, h in enumerate(homes)).max()
 

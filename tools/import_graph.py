@@ -3,8 +3,10 @@
 Reads ``ds_muon/`` with :mod:`ast` (nothing is imported), counts imports made at module
 level and inside functions alike (a lazy import that closes a cycle is still a cycle),
 and prints one line per module with what it imports, then every cycle found, then every
-import that crosses the layers the wrong way (:data:`MAY_IMPORT`) and every module outside
-a role's package, then the line count of each module.  Exit status 1 when any of those is found.
+import that crosses the layers the wrong way (:data:`MAY_IMPORT`; an engine stage importing a stage
+above it, :data:`STAGES`; a door importing a door, :data:`DOORS`) and every module outside a role's
+package, then the floors of the front doors, the longest import chain, the rooms (folders) with their
+sizes and the line count of each module.  Exit status 1 when a cycle, violation or homeless module is found.
 """
 
 from __future__ import annotations
@@ -16,29 +18,48 @@ from typing import Dict, List, Set
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ds_muon")
 
-# The roles, bottom up.  A module's role is its package; the top level holds the front doors only.
-FRONT_DOORS = {"ds_muon", "ds_muon.optimizer", "ds_muon.param_groups", "ds_muon.deepspeed", "ds_muon.accelerate",
-               "ds_muon.trainer", "ds_muon.cli", "ds_muon.convert", "ds_muon.unwrap", "ds_muon.fsdp",
-               "ds_muon.qk_clip", "ds_muon.lightning", "ds_muon.torchtitan", "ds_muon.peft"}
+# The roles, bottom up.  A module's role is its package; the top level holds the optimizer's face and the doors.
+FACE = {"ds_muon", "ds_muon.optimizer", "ds_muon.param_groups", "ds_muon.qk_clip", "ds_muon.unwrap"}
+DOORS = {"ds_muon.deepspeed", "ds_muon.accelerate", "ds_muon.trainer", "ds_muon.cli", "ds_muon.convert",
+         "ds_muon.fsdp", "ds_muon.lightning", "ds_muon.torchtitan", "ds_muon.peft"}
+FRONT_DOORS = FACE | DOORS
+BELOW_FACE = {"integrations", "models", "engine", "rules"}
 MAY_IMPORT = {
     "rules": {"rules"},  # the maths: pure functions of tensors
     "engine": {"engine", "rules"},  # where matrices live, the plan, the exchange, the agreement
     "models": {"models", "engine"},  # what each tensor of a model is
     "integrations": {"integrations", "engine", "models"},  # one file per stack, describing where pieces live
-    "front doors": {"front doors", "integrations", "models", "engine", "rules"},
+    "face": {"face"} | BELOW_FACE,  # Muon, muon_param_groups, QKClip, find_muon
+    # what the doors share, so that no door imports another: a Muon built and bound for a stack; conversion
+    "setup": {"setup", "face"} | BELOW_FACE,
+    "conversion": {"conversion", "setup", "face"} | BELOW_FACE,
+    "doors": {"conversion", "setup", "face"} | BELOW_FACE,  # never another door
 }
+# The engine's stages, bottom up: a stage imports only the stages below it.  ``moved`` (old paths) is a leaf
+# under them all; any other module at the engine's top level is the step runtime, above them all.
+STAGES = ("moved", "memory", "exchange", "agreement", "plan", "overlap", "report", "runtime")
 
 
 def role_of(module: str):
     """The role of a module: its package under ``ds_muon`` (None: a top-level module that is no front door)."""
     parts = module.split(".")
-    if len(parts) >= 2 and parts[1] in MAY_IMPORT:
+    if len(parts) >= 2 and parts[1] in MAY_IMPORT and module not in FRONT_DOORS:
         return parts[1]
-    return "front doors" if module in FRONT_DOORS else None
+    return "face" if module in FACE else "doors" if module in DOORS else None
+
+
+def stage_of(module: str):
+    """An engine module's stage (:data:`STAGES`), None outside the engine and for the engine's ``__init__``."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "engine":
+        return None
+    return parts[2] if parts[2] in STAGES else "runtime"
 
 
 def layering(graph: Dict[str, Set[str]]):
-    """(violations, homeless): imports against :data:`MAY_IMPORT`, and modules outside any role's package."""
+    """(violations, homeless): imports against :data:`MAY_IMPORT` (a door importing another door among them:
+    doors stand side by side, what they share lives below them), an engine stage importing a stage above it
+    (:data:`STAGES`), and modules outside any role's package."""
     violations, homeless = [], sorted(m for m in graph if role_of(m) is None)
     for m, deps in sorted(graph.items()):
         for d in sorted(deps):
@@ -46,7 +67,51 @@ def layering(graph: Dict[str, Set[str]]):
                 violations.append((m, d))
             elif role_of(m) and role_of(d) and role_of(d) not in MAY_IMPORT[role_of(m)]:
                 violations.append((m, d))
+            elif stage_of(m) and stage_of(d) and STAGES.index(stage_of(d)) > STAGES.index(stage_of(m)):
+                violations.append((m, d))
     return violations, homeless
+
+
+def room_of(module: str, package: bool = False) -> str:
+    """A module's room: its folder (``ds_muon.engine.plan``, ``ds_muon.models``, the top level ``ds_muon``);
+    a package's ``__init__`` is in its own folder."""
+    return module if package else module.rsplit(".", 1)[0]
+
+
+def floors(graph: Dict[str, Set[str]]) -> Dict[str, int]:
+    """The floor of each module above the packages (the face, what the doors share, the doors): 1 + the highest
+    floor among what it imports, the packages (rules, engine, models, integrations) being the ground floor (1).
+    An import inside one shared package (``setup/``, ``conversion/``) stays on its floor; at the top level every
+    module is a room of its own, so doors importing doors stack up.  The tallest is the house's height."""
+    memo: Dict[str, int] = {}
+
+    def above(m: str) -> bool:
+        return role_of(m) not in BELOW_FACE | {None} and m != "ds_muon"
+
+    def floor(m: str) -> int:
+        if not above(m):
+            return 1
+        if m not in memo:
+            memo[m] = 1  # (a cycle is reported apart)
+            memo[m] = max((floor(d) + (0 if room_of(d) == room_of(m) != "ds_muon" else 1) for d in graph[m]),
+                          default=2)
+        return memo[m]
+
+    return {m: floor(m) for m in graph if above(m)}
+
+
+def longest_chain(graph: Dict[str, Set[str]]) -> List[str]:
+    """The longest chain of imports in the package (module to module, each importing the next)."""
+    memo: Dict[str, List[str]] = {}
+
+    def chain(m: str) -> List[str]:
+        if m not in memo:
+            memo[m] = [m]
+            below = [chain(d) for d in sorted(graph[m]) if d != "ds_muon"]
+            memo[m] = [m] + max(below, key=len, default=[])
+        return memo[m]
+
+    return max((chain(m) for m in sorted(graph)), key=len, default=[])
 
 
 def modules() -> Dict[str, str]:
@@ -115,6 +180,22 @@ def main() -> int:
     print(f"\noutside a role's package: {len(homeless)}")
     for m in homeless:
         print(f"  {m}")
+    tower = floors(graph)
+    top = max(tower.values(), default=0)
+    print(f"\nfloors (the face, what the doors share and the doors, over the packages at floor 1): {top}")
+    for m in sorted(tower, key=lambda m: (-tower[m], m)):
+        print(f"  {tower[m]}  {m}")
+    chain = longest_chain(graph)
+    print(f"\nlongest import chain: {len(chain)} modules")
+    print("  " + " -> ".join(chain))
+    rooms: Dict[str, List[str]] = {}
+    for m in mods:
+        rooms.setdefault(room_of(m, mods[m].endswith("__init__.py")), []).append(m)
+    print(f"\nrooms: {len(rooms)} (modules, lines, largest module)")
+    for r, ms in sorted(rooms.items()):
+        sizes = {m: sum(1 for _ in open(mods[m])) for m in ms}
+        big = max(sizes, key=sizes.get)
+        print(f"  {r:32s} {len(ms):3d} {sum(sizes.values()):6d}  {big} ({sizes[big]})")
     print("\nlines:")
     for m, p in sorted(mods.items(), key=lambda kv: -sum(1 for _ in open(kv[1]))):
         print(f"  {sum(1 for _ in open(p)):5d}  {m}")

@@ -22,110 +22,28 @@ ride in it and need no collective of their own:
   (:class:`LocalFailure`): the failing ranks re-raise their error, the others raise
   one naming them, instead of waiting in the all_reduce for the group's timeout.
 
-Each rank contributes, per row, ``(1, h, h²)`` for a 16-bit hash ``h``; after the
-sum, all contributions were equal exactly when ``n·Σh² == (Σh)²`` (equality in
-Cauchy–Schwarz), in exact integer arithmetic for up to 2¹⁵ ranks.
+The table itself (its columns, the rows written on the device, the codes the host reads) is
+:mod:`.table`, the fingerprints (gradient extremes and settings, hashed) :mod:`.fingerprints`, and a
+local check's failure carried to every rank :mod:`.local_failure`.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ...rules import ns_kernels
 from ..exchange.copies import copy_key, describe, holders
 from .extremes import Extremes
-from .identity import identity_of
 from ..exchange.layout import _DTENSOR_OR_NONE as _DTENSOR, is_flat_shard, local_data as local
+from .fingerprints import STEPPED, first_difference, settings_hash
+from .local_failure import LocalFailure
+from .table import (ACTIVE, COLUMNS, CONFLICT, DRIFT, FAILED, FAILED_AT, HAS_GRAD, NO_GRAD, NONFINITE_BIT, STALE,
+                    _comm_device, _on_device, _summary, hashed_row)
 from .timeouts import flattened_group
-
-HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
-
-# columns of the agreement table
-HAS_GRAD, NO_GRAD, NONFINITE, N_HASHED, HASH, HASH_SQ = range(6)
-COLUMNS = 6
-
-
-def minmax_hash(minmax: torch.Tensor) -> torch.Tensor:
-    """A 16-bit hash of each row's (min, max) bit patterns, on the tensors' device.
-
-    ``minmax`` is ``[n, 2]`` (any float dtype); returns int64 ``[n]``.  Equal
-    gradients give equal hashes; a gradient computed from other data changes its
-    extremes, and so the hash, with overwhelming probability.
-    """
-    bits = minmax.float().view(torch.int32).to(torch.int64)
-    return torch.remainder(bits[:, 0] * 1000003 + bits[:, 1], HASH_MOD)
-
-
-def text_hash(text: str) -> int:
-    return zlib.crc32(text.encode()) % HASH_MOD
-
-
-def hashed_row(h: int) -> List[int]:
-    row = [0] * COLUMNS
-    row[N_HASHED], row[HASH], row[HASH_SQ] = 1, h, h * h
-    return row
-
-
-def hashes_differ(row: Sequence[int]) -> bool:
-    """After the sum: did the ranks that hashed this row hash it differently?"""
-    n, s, q = row[N_HASHED], row[HASH], row[HASH_SQ]
-    return n > 1 and n * q != s * s
-
-
-def _plain(v: Any) -> Any:
-    if torch.is_tensor(v):
-        return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
-    if isinstance(v, (list, tuple)):
-        return tuple(_plain(x) for x in v)
-    return v
-
-
-def settings_of(optimizer) -> Dict[str, Any]:
-    """Everything that must be equal on every rank, as plain values (names for the error)."""
-    out: Dict[str, Any] = {STEPPED: identity_of(optimizer)}  # which optimizer this is (several in one job)
-    for k in ("mode", "planner", "team_ns", "waves", "comm_dtype", "nonfinite", "adam_betas", "adam_eps"):
-        out[k] = _plain(getattr(optimizer, k, None))
-    # the rates the planner uses (CostModel.for_device when none was given): a rank whose NS device
-    # type differs would plan other homes, so it must fail here, not in the exchange
-    out["cost_model"] = repr(optimizer.planning_cost_model())
-    # the NS kernel forms this process runs (ns_kernels: pinned, calibrated or the device family's
-    # table): duplicated homes must compute the same bits everywhere
-    out["ns_kernels"] = ns_kernels.fingerprint()
-    out["overlap"] = bool(getattr(optimizer, "overlap", False))
-    out["apply_in_forward"] = optimizer.runtime.deferred is not None
-    out["dispatch_in_backward"] = optimizer.runtime.dispatch is not None
-    clip = getattr(optimizer, "qk_clip", None)  # QK-clip (tau, alpha): every rank must clip alike
-    out["qk_clip"] = None if clip is None else _plain(clip.settings())
-    for gi, g in enumerate(optimizer.param_groups):
-        for k, v in g.items():
-            if k not in ("params", "param_names", "param_tags"):
-                out[f"param_groups[{gi}][{k!r}]"] = _plain(v)
-    return out
-
-
-STEPPED = "optimizer"
-
-
-def settings_hash(settings: Dict[str, Any]) -> int:
-    return text_hash(repr(sorted((k, repr(v)) for k, v in settings.items())))
-
-
-def first_difference(everyone: List[Dict[str, Any]]) -> str:
-    """Name the first setting that differs between ranks, with each rank's value."""
-    keys = sorted({k for s in everyone for k in s})
-    for k in keys:
-        values = [s.get(k, "<missing>") for s in everyone]
-        if any(v != values[0] for v in values[1:]):
-            hint = (" (the NS kernel forms: call ds_muon.rules.ns_kernels.pin() alike on every rank, or calibrate() on "
-                    "every rank, which adopts rank 0's choices)") if k == "ns_kernels" else ""
-            return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)) + hint
-    return "the settings hash differs, but no single setting does (a hash collision)"
 
 
 @dataclass
@@ -384,46 +302,6 @@ def _copies_differ(where: Rows, drift: List[int], items, name) -> str:
         "micro-batch you step on. Nothing was changed")
 
 
-class LocalFailure:
-    """A ds_muon check of this rank's own input, before the step's agreement, that must fail on
-    every rank: a setting edited into one rank's ``param_groups``, a state loaded on one rank that
-    does not fit, a sparse gradient.  Raised at once on that rank alone, it would leave the others
-    waiting in the agreement's all_reduce until the group's timeout.  Instead the rank goes on to
-    the agreement (writing nothing) and flags it in the table; after the sum the failing ranks
-    re-raise their own error and the others raise one of the same type naming them (their
-    messages gathered only then).  The good path costs no collective.
-    """
-
-    KINDS = (ValueError, TypeError, RuntimeError)  # what ds_muon's checks raise
-
-    @staticmethod
-    def catch(check: Callable[[], Any]) -> Optional[Exception]:
-        """Run ``check``: its error is returned to be carried to the agreement when other ranks may
-        be waiting there (a process group is up), raised at once otherwise (one process)."""
-        try:
-            check()
-        except LocalFailure.KINDS as e:
-            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-                raise
-            return e
-        return None
-
-    @staticmethod
-    def raise_everywhere(failed: Optional[Exception], group, world: int) -> None:
-        """After the sum, on every rank: some rank flagged a failed check."""
-        mine = None if failed is None else (type(failed), str(failed))
-        everyone: List[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
-        if failed is not None:
-            raise failed
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        bad = [(r, e) for r, e in zip(ranks, everyone) if e is not None]
-        kind = next((k for k in LocalFailure.KINDS if issubclass(bad[0][1][0], k)), RuntimeError)
-        raise kind(
-            f"ds_muon: a check before the step failed on rank(s) {[r for r, _ in bad]}; nothing was changed on any "
-            "rank. " + "; ".join(f"rank {r}: {message}" for r, (_, message) in bad))
-
-
 def _is_replica(p: torch.Tensor) -> bool:
     """Does every rank of the agreement group hold all of ``p`` (no wrapper, DDP, DeepSpeed stage 0)?
 
@@ -465,68 +343,6 @@ def _mesh_group(param_groups) -> Optional[dist.ProcessGroup]:
         "a process group spanning exactly those ranks (one that every rank created with torch.distributed.new_group)")
 
 
-def _on_device(nrows: int, has: List[int], missing: List[int], extra: List[List[int]], checks: List[int],
-               mm: Optional[torch.Tensor], hashed: List[int], stale, device: torch.device,
-               copies: bool = False) -> torch.Tensor:
-    """The agreement table on ``device``: ``nrows`` rows of tensors (``has``: rows with a gradient,
-    ``missing``: without one) and the ``extra`` rows, with the finite flags, fingerprints
-    and the stale flag written in on the device, so that reading the (reduced) table is the
-    step's only wait for the device.  ``mm[j]`` is the (min, max) of row ``checks[j]``'s
-    gradient, fingerprinted in row ``hashed[j]`` (-1: not); ``copies``: some of those rows are
-    rows of groups of copies (not ``checks[j]`` itself)."""
-    table = torch.cat([torch.zeros((nrows, COLUMNS), dtype=torch.int64), torch.tensor(extra, dtype=torch.int64)])
-    if has:
-        table[torch.tensor(has, dtype=torch.int64), HAS_GRAD] = 1
-    if missing:
-        table[torch.tensor(missing, dtype=torch.int64), NO_GRAD] = 1
-    table = table.to(device, non_blocking=True)
-    if checks:
-        mm = mm.to(device)
-        row = _host_to(device, checks)
-        nonfinite = (~torch.isfinite(mm).all(dim=1)).to(torch.int64)
-        table[row, NONFINITE] = nonfinite
-        pick = [j for j, at in enumerate(hashed) if at >= 0]
-        if pick:  # its gradient must be that of every rank holding it (whole, or a copy of the same shard)
-            sub = _host_to(device, pick) if len(pick) < len(hashed) else None
-            h = minmax_hash(mm if sub is None else mm[sub])
-            if copies:  # rows of their own; a non-finite copy is reported as such, not as a difference
-                at = _host_to(device, [hashed[j] for j in pick])
-                table[at, NONFINITE] = nonfinite if sub is None else nonfinite[sub]
-            else:
-                at = row if sub is None else row[sub]
-            table[at, N_HASHED] = 1
-            table[at, HASH] = h
-            table[at, HASH_SQ] = h * h
-    if torch.is_tensor(stale):
-        table[nrows, 0] = stale.to(device=device, dtype=torch.int64)
-    else:
-        table[nrows, 0] = int(stale)
-    return table
-
-
-# bits of each row's code in the summary the host reads (see _summary); the stale row's
-# column FAILED_AT counts the ranks whose local checks failed (LocalFailure)
-ACTIVE, CONFLICT, DRIFT, NONFINITE_BIT, STALE, FAILED = 1, 2, 4, 8, 1, 2
-FAILED_AT = NO_GRAD
-
-
-def _summary(table: torch.Tensor, nrows: int) -> torch.Tensor:
-    """The reduced table as one code per row, computed on its device: ACTIVE (a gradient on some
-    rank), CONFLICT (a gradient on some ranks, none on others), DRIFT (the ranks that hashed the
-    row hashed it differently; not for non-finite rows), NONFINITE_BIT.  The stale row reads as
-    its flag (STALE) and FAILED when some rank's local check failed, the settings row as DRIFT
-    when the settings differ; one more code, last, is nonzero
-    when any row has CONFLICT or DRIFT."""
-    n, s, q = table[:, N_HASHED], table[:, HASH], table[:, HASH_SQ]
-    differ = (n > 1) & (n * q != s * s)
-    has, nonfinite = table[:, HAS_GRAD] > 0, table[:, NONFINITE] > 0
-    codes = (has.long() | ((has & (table[:, NO_GRAD] > 0)).long() << 1) | ((differ & ~nonfinite).long() << 2)
-             | (nonfinite.long() << 3))
-    codes[nrows] = (table[nrows, 0] != 0).long() | ((table[nrows, FAILED_AT] != 0).long() << 1)
-    problems = (codes[:nrows] & (CONFLICT | DRIFT)).amax(dim=0, keepdim=True) if nrows else codes[:1] * 0
-    return torch.cat([codes, problems])
-
-
 class _RowsById(Mapping):
     """Each gradient's (min, max) by id of its tensor, read from the rows of ``mm`` on demand
     (the backward dispatch's stale check reads a few)."""
@@ -550,20 +366,3 @@ class _RowsById(Mapping):
 
     def __contains__(self, pid) -> bool:
         return pid in self._index()
-
-
-def _host_to(device: torch.device, values) -> torch.Tensor:
-    """int64 values from the host, copied without waiting for work already queued on the device
-    (a blocking host-to-device copy synchronizes the stream)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-
-def _comm_device(group, grads_on: torch.device) -> torch.device:
-    """Where the table is reduced: the gradients' GPU when the group's backend runs collectives
-    there (NCCL: the device the parameters live on, not whichever is current), else the CPU."""
-    backend = dist.get_backend(group)
-    if grads_on.type == "cuda" and "nccl" in backend:
-        return grads_on
-    if backend == "nccl":  # no local gradient elements on this rank to tell
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -4,7 +4,7 @@ Several ``Muon`` optimizers in one job (two halves of a model, a model and its
 EMA teacher, ...) each run the step's collectives.  Stepped in different orders on
 different ranks, one rank's first optimizer would meet another's second in the
 same all_reduce and all_to_all: wrong results, or a hang.  The agreement
-(:mod:`~ds_muon.engine.agreement.check`) hashes :func:`identity_of` into its settings row, so such
+(:func:`~ds_muon.engine.agreement.fingerprints.settings_of`) hashes :func:`identity_of` into its settings row, so such
 a pairing is the same clear error on every rank, before anything changes, with no
 collective of its own.
 

@@ -11,6 +11,9 @@ the whole plan, so they all agree without talking).
 only the ranks with a nonzero split (:attr:`Exchange.peers`): an all_to_all over
 thousands of ranks pays a per-peer cost (and, on NCCL, a connection) for every rank
 of the group, a sparse plan talks to a few.  The bytes are the same, so the result is.
+
+(Over 400 lines, as one class: compiling the index maps and packing, moving and unpacking with them
+share one state, the segments, cuts and lent buffers, that a split would only pass back and forth.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 With several homes of one matrix (HSDP replica groups, DDP's duplicated NS) a home gathers inside its own
 replica group and each holder gets its result from the home in its group, so no piece crosses between
 replica groups.  The exchange (:mod:`.all_to_all`) builds its index maps from these; the planner
-(:mod:`~ds_muon.engine.plan.planner`) counts the same traffic when it chooses homes.
+(:func:`~ds_muon.engine.plan.cost_model.pair_traffic`) counts the same traffic when it chooses homes.
 """
 
 from __future__ import annotations

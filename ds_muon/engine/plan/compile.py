@@ -25,7 +25,10 @@ from ..memory.offload import HostNS, exchange_device, host_state
 from ...rules.newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients, resolve_method)
 from ..exchange.row_moments import is_normuon
-from .planner import CostModel, MatrixTask, plan_multi_homes, plan_teams, rebalance_homes, replica_groups
+from ..exchange.routes import replica_groups
+from .cost_model import CostModel, MatrixTask
+from .planner import plan_multi_homes
+from .team_plan import plan_teams, rebalance_homes
 from .team import TeamExchange, TeamGroups, TeamNS
 from ..agreement.timeouts import new_group_like
 
@@ -202,7 +205,7 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
     Pieces offloaded to host memory (``offload``, or :func:`~ds_muon.engine.memory.offload.host_state`) are
     orthogonalized on the accelerator (:mod:`~ds_muon.engine.memory.offload`).
     ``team_ns`` (with ``planner="auto"``): matrices whose NS bounds the step may run as a team of
-    ranks (:func:`~ds_muon.engine.plan.planner.plan_teams`, :mod:`~ds_muon.engine.plan.team`), one :class:`TeamExchange`
+    ranks (:func:`~ds_muon.engine.plan.team_plan.plan_teams`, :mod:`~ds_muon.engine.plan.team`), one :class:`TeamExchange`
     per dtype pair before the waves; ``team_groups`` makes their process groups (collective: the
     optimizer's; None, as in :meth:`ds_muon.Muon.summary`, plans the same teams without groups)."""
     by_dtypes: Dict[tuple, List[int]] = {}

@@ -10,7 +10,7 @@ A = X·Xᵀ = Σ_j X_j·X_jᵀ over column blocks X_j, so a team of k ranks can 
 
 and the Frobenius normalisation all-reduces one sum of squares first.  This is the distributed
 NS of TransformerEngine's and Dion's Muon (there over tensor-parallel shards; here over the ranks the
-planner picks, :func:`~ds_muon.engine.plan.planner.plan_teams`).  A tall matrix (rows > cols) is X = Gᵀ, so its
+planner picks, :func:`~ds_muon.engine.plan.team_plan.plan_teams`).  A tall matrix (rows > cols) is X = Gᵀ, so its
 blocks are row blocks of G (contiguous); a wide one's are column blocks of G.
 
 It is **not** bitwise equal to one process: the partial products are summed in another order

@@ -1,9 +1,9 @@
-"""Reading a saved :class:`~ds_muon.engine.report.summary.Summary` (``Summary.save``; ``ds-muon plan --summary``).
+"""Reading a saved :class:`~ds_muon.engine.report.rows.Summary` (``Summary.save``; ``ds-muon plan --summary``).
 
 The file is JSON a person may edit or craft, so every field is checked against the
 dataclass it fills (present, no unknown ones, of its type) and against what the
 planner's table will read from it (homes inside the world, one holding per rank of a
-domain, a known NS method, the rates of a :class:`~ds_muon.engine.plan.planner.CostModel`).  Anything
+domain, a known NS method, the rates of a :class:`~ds_muon.engine.plan.cost_model.CostModel`).  Anything
 else is a ValueError naming the path of the field, e.g. ``tensors[3].matrices[0].held``.
 """
 
@@ -14,7 +14,7 @@ import math
 from typing import Any, Dict
 
 from ...rules.newton_schulz import NS_METHODS
-from ..plan.planner import CostModel
+from ..plan.cost_model import CostModel
 
 
 def _fail(where: str, what: str):
@@ -122,8 +122,8 @@ def _cost_model(d, where: str):
 
 
 def summary_from_dict(d, Summary, TensorRow, MatrixRow, RankRow):
-    """The :class:`~ds_muon.engine.report.summary.Summary` a saved file holds, every field checked (see the module).
-    (The classes are passed in: :mod:`ds_muon.engine.report.summary` imports this module.)"""
+    """The :class:`~ds_muon.engine.report.rows.Summary` a saved file holds, every field checked (see the module).
+    (The classes are passed in: :mod:`ds_muon.engine.report.rows` imports this module.)"""
     d = _fields(d, Summary, "the file")
     world = _int(d["world_size"], "world_size", 1)
     tensors = [_tensor(t, f"tensors[{k}]", TensorRow, MatrixRow) for k, t in enumerate(_list(d["tensors"], "tensors"))]

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..rules.adamw import adamw_
-from .agreement.check import Agreement, settings_of
+from .agreement.check import Agreement
+from .agreement.fingerprints import settings_of
 from .binding import bind_all, layouts_of, param_name, signature
 from .exchange.all_to_all import Exchange
 from .exchange.layout import Layout, ParamBinding, local_shard

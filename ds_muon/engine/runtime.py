@@ -17,6 +17,10 @@ optimizer's ``param_groups``, ``state`` and settings through the optimizer it is
    matrices travel whole to their homes), orthogonalize (NS at home, batched by shape; NorMuon), apply
    (each rank's pieces of the results, in place, or by the next forward);
 6. arm (``overlap=True``): the next backward sends the gathers whose gradients are final then.
+
+(Over 400 lines, as one class: every stage reads the same caches, bindings, layouts, compiled exchanges,
+wave pieces and overlap hooks, and a stage split off would only be handed them back; what needs none of
+them is beside it: :mod:`.binding`, :mod:`.state`, :mod:`~ds_muon.rules.adamw`.)
 """
 
 from __future__ import annotations

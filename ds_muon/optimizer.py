@@ -6,7 +6,7 @@ live in :class:`~ds_muon.engine.runtime.StepRuntime` (``opt.runtime``).  :meth:`
 1. preflight, before anything changes: every group's settings (:mod:`~ds_muon.engine.agreement.settings`)
    and a copy's lost bindings; then, the tensors bound and their state filled, every state tensor fits
    its parameter (:mod:`~ds_muon.engine.agreement.state_check`) and QK-clip's q/k weights are Muon
-   matrices; a failed check becomes a :class:`~ds_muon.engine.agreement.check.LocalFailure`, raised on
+   matrices; a failed check becomes a :class:`~ds_muon.engine.agreement.local_failure.LocalFailure`, raised on
    every rank by the runtime's check (a rank failing alone cannot leave the others waiting);
 2. the runtime's stages (:mod:`~ds_muon.engine.runtime`): the check (gradient presence and finiteness
    agreed by every rank, one small all_reduce) → active matrices → plan (homes, wire dtypes, waves) →
@@ -43,8 +43,10 @@ from .engine.exchange.row_moments import (check_loaded_moments, check_moments, f
                                           split_moments)
 from .engine.memory.offload import accelerator
 from .engine.overlap import OverlapSettings
-from .engine.plan.planner import STRATEGIES, CostModel
-from .engine.report.summary import Summary, log_first_step, summarize, summarize_planned
+from .engine.plan.cost_model import CostModel
+from .engine.plan.planner import STRATEGIES
+from .engine.report.rows import Summary
+from .engine.report.summary import log_first_step, summarize, summarize_planned
 from .engine.runtime import StepRuntime
 from .integrations.base import HOW_TO_BIND, BindContext, StackAdapter
 from .integrations.default import default_adapter
@@ -142,7 +144,7 @@ class Muon(Optimizer):
         """What ``copy.deepcopy`` and pickle carry: torch's ``defaults``, ``state`` and ``param_groups`` plus
         ds_muon's settings (:mod:`~ds_muon.engine.pickling`).  Not carried: ``model``, ``process_group``, ``qk_clip``,
         a chosen ``adapter`` (a DeepSpeed binding; a copy refuses to step until given the ones it needs again:
-        ``copy.process_group = ...``, ``ds_muon.integrations.deepspeed.bind(engine)``), the runtime's caches and
+        ``copy.process_group = ...``, ``ds_muon.deepspeed.bind(engine)``), the runtime's caches and
         hooks (rebuilt at the first step; a copy steps without overlap hooks, same results)."""
         return {**super().__getstate__(), "ds_muon": carried(self)}
 

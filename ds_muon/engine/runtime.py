@@ -7,7 +7,7 @@ optimizer's ``param_groups``, ``state`` and settings through the optimizer it is
 
 1. check (:mod:`~ds_muon.engine.agreement.check`), before anything changes: gradient presence
    agrees across ranks and every gradient is finite (one small all_reduce), with the optimizer's
-   failed local checks (:class:`~ds_muon.engine.agreement.check.LocalFailure`) raised on every rank;
+   failed local checks (:class:`~ds_muon.engine.agreement.local_failure.LocalFailure`) raised on every rank;
 2. active matrices: which matrices of each layout (one per process group) step;
 3. plan (:mod:`~ds_muon.engine.plan.compile`): homes, wire dtypes and waves, compiled once into
    :class:`~ds_muon.engine.exchange.all_to_all.Exchange` objects;
@@ -190,7 +190,7 @@ class StepRuntime:
     # -- the step -------------------------------------------------------------------------------------
     def run(self, failed: Optional[Exception] = None) -> None:
         """The stages, in order (see the module docstring); ``failed``: this rank's failed local check
-        (:class:`~ds_muon.engine.agreement.check.LocalFailure`), raised on every rank in stage 1."""
+        (:class:`~ds_muon.engine.agreement.local_failure.LocalFailure`), raised on every rank in stage 1."""
         self.step_token = object()
         active = self.check(failed)  # 1. which tensors step, agreed by every rank
         if active is None:

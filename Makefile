@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q --durations=30 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

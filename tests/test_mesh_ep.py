@@ -119,10 +119,19 @@ def test_ep_x_fsdp2_strided_experts_stay_where_they_are():
         assert (homes["experts[0]"], homes["experts[1]"], homes["experts[2]"]) == ((0,), (1,), (2,)), homes
 
 
+def _second_model_worker(rank, world):
+    """The Shard(1) model built in ranks that built the strided one before: torch hands FSDP2 its cached
+    (dp, ep) mesh from the first model, an equal mesh under another root object."""
+    _ep_worker(rank, world, False)
+    return _ep_worker(rank, world, True)
+
+
 def test_ep_x_fsdp2_shard1_experts_matches_single_process():
     """shard_placement_fn -> Shard(1): (Shard(1), Shard(0)) on (dp, ep); each expert's rows split 4/4
-    over dp (sharded past dim 0 used to raise NotImplementedError)."""
-    results = dist_harness.run(_ep_worker, 4, True, timeout=120)
+    over dp (sharded past dim 0 used to raise NotImplementedError). Built second in its process, so the
+    replicated proj is still planned once in the world (it was planned once per dp group, twice in all,
+    while ds_muon compared the meshes' roots by identity)."""
+    results = dist_harness.run(_second_model_worker, 4, timeout=180)
     r0 = results[0][torch.float32]
     assert r0["placements"]["experts"] == "(Shard(dim=1), Shard(dim=0))", r0["placements"]
     _check_ep(results)

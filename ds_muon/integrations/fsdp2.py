@@ -172,13 +172,17 @@ def _planning_mesh(param, used: list):
     ``(dp, tp)`` mesh gives each matrix one home in the world instead of one per ``tp``
     group.  Every rank of that mesh holds the same model, so the choice is the same on
     every rank (``build_layout`` checks it).
+
+    Roots compare by value (ranks, layout, dim names), not identity: torch caches meshes it derives
+    (FSDP2's ``(dp, ep)`` mesh for an EP parameter) by value, so in a process that built an equal mesh
+    before, a parameter's root can be that earlier, equal object.
     """
     mesh = param.device_mesh
     own, root = set(_ranks(mesh)), mesh._get_root_mesh()
     best = mesh
     for other in used:
         ranks = _ranks(other)
-        if (other._get_root_mesh() is root and own < set(ranks)
+        if (other._get_root_mesh() == root and own < set(ranks)
                 and (len(ranks), ranks) > (len(_ranks(best)), _ranks(best))):
             best = other
     return best

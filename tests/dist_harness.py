@@ -55,16 +55,21 @@ def backend() -> str:
     return os.environ.get("DS_MUON_TEST_BACKEND", "gloo")
 
 
-def _entry(rank, world, port, fn, args, out, env):
+def _join(rank, world, port, env):
+    """This spawned rank's environment, one thread, and its place in the process group."""
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    be = backend()
+    if be == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(be, rank=rank, world_size=world)
+
+
+def _entry(rank, world, port, fn, args, out, env):
     try:
-        be = backend()
-        if be == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(be, rank=rank, world_size=world)
+        _join(rank, world, port, env)
         result = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -141,15 +146,8 @@ def _fresh_call_state(rank):
 
 
 def _pooled_entry(rank, world, port, tasks, out, env):
-    os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     try:
-        be = backend()
-        if be == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(be, rank=rank, world_size=world)
+        _join(rank, world, port, env)
     except BaseException:  # noqa: BLE001
         out.put((None, rank, False, traceback.format_exc()))
         out.close()

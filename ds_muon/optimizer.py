@@ -35,7 +35,8 @@ from .engine.agreement.local_failure import LocalFailure
 from .engine.agreement.identity import next_ordinal
 from .engine.agreement.settings import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_edited_keys,
                                         check_given_keys, check_keyword_booleans, check_loaded_groups, check_settings,
-                                        drop_filled_defaults, dtype_name, loaded_group, validate_group)
+                                        drop_filled_defaults, loaded_group,
+                                        ns_dtype_name, validate_group)
 from .engine.agreement.state_check import check_loaded_state, check_state, check_state_listed
 from .engine.pickling import carried, check_not_carried, restored, upgrade_groups
 from .engine.exchange.all_to_all import Exchange
@@ -69,6 +70,10 @@ class Muon(Optimizer):
       ``scale_mode`` and ``extra_scale_factor`` scale the update per shape (:mod:`~ds_muon.rules.scaling`);
     * Newton–Schulz (:mod:`~ds_muon.rules.newton_schulz`): ``ns_steps``, ``ns_coefficients``, ``ns_method``,
       ``ns_dtype``, ``eps`` (the NS floor; AdamW groups: Adam's eps), ``compile`` (torch.compile the NS);
+      ``ns_dtype="auto"`` and ``ns_method="auto"`` (the defaults) take the machine's fastest exact choice
+      (:mod:`~ds_muon.rules.ns_auto`: bf16 where the device multiplies it natively, else fp32; the Gram
+      iteration where it saves FLOPs and runs at full rate), the same on every rank (the step's agreement
+      checks it); an explicit dtype or method always wins;
     * AdamW groups use their ``lr``, ``betas`` (default ``adam_betas``), ``eps`` (default ``adam_eps``) and
       ``weight_decay``;
     * where NS runs: ``mode="duplicated"`` is the baseline that runs every NS on every rank; ``planner``
@@ -92,8 +97,8 @@ class Muon(Optimizer):
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, weight_decay_mode: str = "decoupled", variant: str = "muon",
-                 normuon_beta2: float = 0.95, ns_steps: int = 5, ns_coefficients="keller", ns_method: str = "standard",
-                 ns_dtype=torch.bfloat16, eps: float = 1e-7, scale_mode: str = "shape_scaling",
+                 normuon_beta2: float = 0.95, ns_steps: int = 5, ns_coefficients="keller", ns_method: str = "auto",
+                 ns_dtype="auto", eps: float = 1e-7, scale_mode: str = "shape_scaling",
                  extra_scale_factor: float = 1.0, adam_betas: Tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
                  process_group: Optional[dist.ProcessGroup] = None, mode: str = "sharded",
                  model: Optional[torch.nn.Module] = None, nonfinite: str = "raise", comm_dtype=None,
@@ -123,7 +128,7 @@ class Muon(Optimizer):
         self.runtime = StepRuntime(self, BindContext)  # the step's caches and hooks (ds_muon.engine.runtime)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         weight_decay_mode=weight_decay_mode, ns_steps=ns_steps, ns_coefficients=ns_coefficients,
-                        ns_method=ns_method, compile=compile, ns_dtype=dtype_name(ns_dtype, "ns_dtype"), eps=eps,
+                        ns_method=ns_method, compile=compile, ns_dtype=ns_dtype_name(ns_dtype), eps=eps,
                         scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, use_muon=True,
                         variant=variant, normuon_beta2=normuon_beta2)  # NorMuon (ds_muon.rules.normuon)
         super().__init__(params, defaults)

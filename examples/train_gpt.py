@@ -51,7 +51,8 @@ def parse_args(argv=None):
                     help="AdamW learning rate (all of AdamW, or Muon's AdamW group); 3e-3, not ds_muon's default "
                          "3e-4: tuned for this small model's short runs")
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--ns-dtype", default="bfloat16")
+    ap.add_argument("--ns-dtype", default="auto",
+                    help="NS dtype: auto (the machine's fast dtype: ds_muon.rules.ns_auto), bfloat16, float16, float32")
     ap.add_argument("--seed", type=int, default=0, help="model initialisation")
     ap.add_argument("--data-seed", type=int, default=0, help="batch order")
     ap.add_argument("--eval-every", type=int, default=50)

@@ -7,6 +7,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import pytest  # noqa: E402
 
+from ds_muon.rules.ns_auto import fast_dtype  # noqa: E402
+
+# The NS dtype ns_dtype="auto" picks on this machine (bf16 where the CPU multiplies it natively, else fp32):
+# tests that check no dtype behaviour run at it (bf16 on an AVX2-only CPU is ~35x slower than fp32); the
+# bf16, fp16 and fp32 paths keep their own parity tests, explicit.
+FAST_NS_DTYPE = fast_dtype("cpu")
+
 # Runs that repeat what a kept sample already shows, opt-in so the suite fits a 2-core CI machine (~15 min):
 # DS_MUON_FULL_SUITE=1 runs them too.  Each line says which test keeps the sample.
 FULL_SUITE_ONLY = {

@@ -166,29 +166,48 @@ def test_gram_restart_keeps_polar_express_accurate_in_bf16(monkeypatch):
 
 # -- ns_method="auto" --------------------------------------------------------------------------------
 
-def test_auto_picks_gram_only_where_it_saves_flops_and_rounds_no_worse():
+def test_auto_picks_gram_only_where_it_saves_flops_and_runs_at_full_rate(monkeypatch):
+    """Gram where it saves FLOPs (wide, not square) and the device's table lets Gram run in the asked
+    dtype (ns_auto.gram_pays): fp32 and fp16 everywhere (the same GEMMs, fewer; as accurate against the
+    float64 polar factor), bf16 only where fp16 runs at bf16's rate (a GPU; CPUs: 5-17x slower)."""
+    from ds_muon.rules import ns_auto
     from ds_muon.rules.newton_schulz import resolve_method
 
-    for device in ("cpu", "cuda"):
-        for dtype in (torch.float32, torch.float16):  # Gram rounds up to 2x worse in these (ns_accuracy.py)
-            assert resolve_method("auto", 64, 256, 5, dtype, device) == "standard"
-        assert resolve_method("auto", 32, 32, 5, torch.bfloat16, device) == "standard"  # square: no saving
-        assert resolve_method("standard", 64, 256, 5, torch.bfloat16, device) == "standard"
-    # bf16: Gram iterates in fp16, more accurate, at bf16 speed on GPUs only (~17x slower on CPUs)
-    assert resolve_method("auto", 64, 256, 5, torch.bfloat16, "cuda") == "gram"
-    assert resolve_method("auto", 256, 64, 5, torch.bfloat16, "cuda") == "gram"
-    assert resolve_method("auto", 64, 256, 5, torch.bfloat16, "cpu") == "standard"
-    G = torch.randn(64, 256, generator=torch.Generator().manual_seed(8))
-    for dtype in (torch.bfloat16, torch.float32):  # on CPU: the standard iteration, bitwise
-        assert torch.equal(ds_muon.newton_schulz(G, dtype=dtype, method="auto"), ds_muon.newton_schulz(G, dtype=dtype))
+    monkeypatch.setattr(ns_auto, "cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(ns_auto, "read_cpuinfo", lambda: ("GenuineIntel", frozenset({"avx2", "avx512f", "amx_bf16"})))
+    ns_auto.reset()
+    try:
+        for device in ("cpu", "cuda"):
+            for dtype in (torch.float32, torch.float16):
+                assert resolve_method("auto", 64, 256, 5, dtype, device) == "gram"
+                assert resolve_method("auto", 256, 64, 5, dtype, device) == "gram"
+            assert resolve_method("auto", 32, 32, 5, torch.bfloat16, device) == "standard"  # square: no saving
+            assert resolve_method("auto", 32, 32, 5, torch.float32, device) == "standard"
+            assert resolve_method("standard", 64, 256, 5, torch.bfloat16, device) == "standard"
+        assert resolve_method("auto", 64, 256, 5, torch.bfloat16, "cuda") == "gram"
+        assert resolve_method("auto", 256, 64, 5, torch.bfloat16, "cuda") == "gram"
+        assert resolve_method("auto", 64, 256, 5, torch.bfloat16, "cpu") == "standard"
+        G = torch.randn(64, 256, generator=torch.Generator().manual_seed(8))
+        # on this CPU: bf16 the standard iteration, fp32 the Gram one, bitwise
+        assert torch.equal(ds_muon.newton_schulz(G, dtype=torch.bfloat16, method="auto"),
+                           ds_muon.newton_schulz(G, dtype=torch.bfloat16))
+        assert torch.equal(ds_muon.newton_schulz(G, dtype=torch.float32, method="auto"),
+                           ds_muon.newton_schulz(G, dtype=torch.float32, method="gram"))
+    finally:
+        ns_auto.reset()
 
 
-def test_auto_gram_in_bf16_returns_bf16_and_rounds_better(monkeypatch):
+def test_auto_gram_in_bf16_returns_bf16_and_rounds_better(monkeypatch, request):
     """Where auto picks Gram for bf16 (a GPU), it iterates in fp16 and hands back bf16, so a group's
     stacks share one dtype; the CPU stands in for the GPU here."""
+    from ds_muon.rules import ns_auto
+
     ns_module = importlib.import_module("ds_muon.rules.newton_schulz")
     resolve = ns_module.resolve_method
     monkeypatch.setattr(ns_module, "resolve_method", lambda m, r, c, s, d, dev: resolve(m, r, c, s, d, "cuda"))
+    monkeypatch.setattr(ns_auto, "cuda_capability", lambda: (8, 0))  # an sm80 GPU's table entry
+    ns_auto.reset()
+    request.addfinalizer(ns_auto.reset)  # forget the mocked GPU's decision afterwards
     G = torch.randn(64, 256, generator=torch.Generator().manual_seed(9))
     ref = ns_float64(G, resolve_coefficients("keller", 5)[0])
     auto = ds_muon.newton_schulz(G, method="auto")

@@ -15,7 +15,7 @@ from typing import Tuple
 
 import torch
 
-from .agreement.settings import drop_old_defaults, dtype_name, fill_group_defaults
+from .agreement.settings import drop_old_defaults, fill_group_defaults, ns_dtype_name
 from .overlap import OverlapSettings
 
 SETTINGS = ("mode", "overlap_settings", "nonfinite", "comm_dtype", "planner", "team_ns",
@@ -68,7 +68,7 @@ def upgrade_groups(param_groups, state, defaults: dict, adam_betas, adam_eps) ->
         fill_group_defaults(group, defaults, adam_betas, adam_eps)
         drop_old_defaults(group, defaults)  # an older ds_muon filled Muon's defaults into AdamW groups
         if "ns_dtype" in group:
-            group["ns_dtype"] = dtype_name(group["ns_dtype"], "ns_dtype")  # older ones stored a torch.dtype
+            group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])  # older ones stored a torch.dtype
         for p in group["params"]:
             st = state.get(p)
             if st and "step" in st and not torch.is_tensor(st["step"]):

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import ns_kernels
+from . import ns_auto, ns_kernels
 
 Triple = Tuple[float, float, float]
 Coefficients = Union[str, Triple, Sequence[Triple]]
@@ -120,19 +120,20 @@ def use_gram(rows: int, cols: int, steps: int) -> bool:
 def resolve_method(method: str, rows: int, cols: int, steps: int, dtype: torch.dtype,
                    device_type: str) -> str:
     """The iteration ``method`` runs on one (rows, cols) matrix: ``"auto"`` becomes ``"gram"``
-    where that does fewer FLOPs (:func:`use_gram`) at the standard iteration's accuracy or
-    better in ``dtype``, else ``"standard"``.  A pure function of shape and settings (and of
-    the device type, the same on every rank of an exchange), so every rank picks the same.
+    where that does fewer FLOPs (:func:`use_gram`) and the device runs Gram's dtype at full rate
+    (:func:`~ds_muon.rules.ns_auto.gram_pays`: the device's table entry), else ``"standard"``.
+    A pure function of shape, settings and the device's (agreed) choice, so every rank picks the same.
 
-    Measured against float64 (``benchmarks/ns_accuracy.py``, 8 shapes × 4 inputs): asked for
-    in bf16, Gram iterates in fp16 and rounds 3-7× *better* than the standard bf16 iteration —
-    but fp16 matmuls run at bf16 speed only on GPUs; on CPUs without fp16 matrix units they are
-    ~17× slower than bf16, so there auto keeps the standard iteration.  In fp32 Gram rounds
-    0.8-4× the standard error, and in fp16 about 2× (no better), so auto keeps standard there.
+    Accuracy does not decide it: against a float64 polar factor Gram's error equals the standard
+    iteration's to 4 digits in fp32, fp16 and bf16-asked (8 shapes × 3 inputs,
+    ``benchmarks/ns_accuracy.py``; its rounding alone, against the same iteration in float64, is
+    1-2× the standard's in fp32 (~2e-6) and 3-7× *smaller* asked in bf16, where it iterates in
+    fp16).  Speed does: fp16 GEMMs run at bf16's rate only on GPUs; on CPUs without fp16 matrix
+    units they took fp32's time, 5× bf16's (Intel AMX box), so there a bf16 ask stays standard.
     """
     if method != "auto":
         return method
-    if dtype == torch.bfloat16 and device_type == "cuda" and use_gram(rows, cols, steps):
+    if use_gram(rows, cols, steps) and ns_auto.gram_pays(device_type, dtype):
         return "gram"
     return "standard"
 
@@ -171,8 +172,8 @@ def newton_schulz(
     (transposes when rows > cols), normalises by each matrix's Frobenius norm
     (clamped below by ``eps``) after casting to ``dtype``.  ``method="gram"``
     iterates on the small Gram matrix where that is cheaper (opt-in: it is the
-    same polynomial, but rounds differently); ``"auto"`` does so where that rounds no worse
-    (:func:`resolve_method`).  The loop reuses a fixed workspace: no allocation per iteration.
+    same polynomial, but rounds differently); ``"auto"`` does so where the device runs it at full
+    rate (:func:`resolve_method`).  The loop reuses a fixed workspace: no allocation per iteration.
 
     ``out`` (contiguous, G's shape, in ``compute_dtype(method, dtype)``): the result is written
     there (the last product's own output; small tall matrices: one transposing copy) and ``out``

@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from ...rules import ns_kernels
+from ...rules import ns_auto, ns_kernels
 from .identity import identity_of
 
 HASH_MOD = 65521  # a prime below 2**16: h² summed over 2**15 ranks fits in int64
@@ -59,7 +59,13 @@ def settings_of(optimizer) -> Dict[str, Any]:
         for k, v in g.items():
             if k not in ("params", "param_names", "param_tags"):
                 out[f"param_groups[{gi}][{k!r}]"] = _plain(v)
+        if g.get("use_muon", True):  # what "auto" became on this machine (ns_auto): ranks must run alike
+            for k, v in ns_auto.resolved(g).items():
+                out[f"param_groups[{gi}][{k!r}] {AUTO_SUFFIX}"] = v
     return out
+
+
+AUTO_SUFFIX = "(auto, resolved)"
 
 
 STEPPED = "optimizer"
@@ -77,5 +83,11 @@ def first_difference(everyone: List[Dict[str, Any]]) -> str:
         if any(v != values[0] for v in values[1:]):
             hint = (" (the NS kernel forms: call ds_muon.rules.ns_kernels.pin() alike on every rank, or calibrate() on "
                     "every rank, which adopts rank 0's choices)") if k == "ns_kernels" else ""
+            if k.endswith(AUTO_SUFFIX):
+                setting = "ns_method" if "'ns_method'" in k else "ns_dtype"
+                hint = (f" ({setting}='auto' chose differently on these ranks: their machines differ, and a different "
+                        f"NS would break bitwise agreement; pass an explicit {setting} (e.g. ns_dtype='float32' and "
+                        "ns_method='standard') to Muon, or in the DsMuon config's params, the same on every rank. "
+                        f"This rank: {ns_auto.choice(ns_auto.ns_device_type()).describe()})")
             return f"{k} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)) + hint
     return "the settings hash differs, but no single setting does (a hash collision)"

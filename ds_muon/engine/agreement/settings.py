@@ -15,6 +15,7 @@ import torch
 
 from ...rules.decay import WEIGHT_DECAY_MODES, check_mode  # noqa: F401 (the modes, read from here by callers)
 from ...rules.newton_schulz import NS_METHODS, resolve_coefficients
+from ...rules.ns_auto import AUTO
 from ...rules.normuon import VARIANTS
 from ...rules.scaling import check_scale_mode
 from ..exchange.layout import global_shape, is_flat_shard
@@ -42,6 +43,18 @@ def dtype_name(value, name: str) -> str:
         out = str(as_dtype(value, name)).replace("torch.", "")
         _DTYPE_NAMES[value] = out
         return out
+
+
+def ns_dtype_name(value) -> str:
+    """What a group stores for ``ns_dtype``: ``"auto"`` (the device decides at the step:
+    :mod:`ds_muon.rules.ns_auto`) or a dtype's name."""
+    if value == AUTO:
+        return AUTO
+    try:
+        return dtype_name(value, "ns_dtype")
+    except ValueError:
+        raise ValueError(f"ns_dtype={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16 or 'float32') "
+                         "or 'auto' (the machine's fast dtype)") from None
 
 
 # Keys torch's Optimizer.__setstate__ (run by load_state_dict) adds to ``defaults`` that are no
@@ -296,7 +309,7 @@ def check_settings(group: dict, gi: int) -> None:
     try:
         _check_schedule(group["ns_coefficients"], group["ns_steps"])
         check_scale_mode(group["scale_mode"])
-        group["ns_dtype"] = dtype_name(group["ns_dtype"], "ns_dtype")
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])
     except ValueError as e:
         raise ValueError(f"param_groups[{gi}]: {e}") from None
     if group["ns_method"] not in NS_METHODS:

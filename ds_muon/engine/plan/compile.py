@@ -21,7 +21,8 @@ from ..memory.budget import ChunkedNS, budget_bytes, split_by_bytes
 from ..exchange.all_to_all import Exchange
 from ..agreement.settings import as_dtype
 from ..exchange.layout import Layout
-from ..memory.offload import HostNS, exchange_device, host_state
+from ..memory.offload import HostNS, accelerator, exchange_device, host_state
+from ...rules.ns_auto import AUTO, group_device_type, resolve_dtype
 from ...rules.newton_schulz import (compiled_newton_schulz, compute_dtype, input_dtype, newton_schulz, ns_flops,
                             resolve_coefficients, resolve_method)
 from ..exchange.row_moments import is_normuon
@@ -42,6 +43,11 @@ class NSSettings(NamedTuple):
     eps: float
     method: str
     compile: bool = False  # run NS under torch.compile (not guaranteed bitwise equal to eager)
+    device_type: str = "cpu"  # where NS runs: what ns_dtype/ns_method "auto" were resolved for (ns_auto)
+
+    def method_for(self, rows: int, cols: int) -> str:
+        """The iteration one (rows, cols) matrix runs: ``"auto"`` resolved for this shape and device."""
+        return resolve_method(self.method, rows, cols, self.steps, self.dtype, self.device_type)
 
     def run(self, stack: torch.Tensor, out: Optional[torch.Tensor] = None,
             max_chunk: Optional[int] = None) -> torch.Tensor:
@@ -64,10 +70,15 @@ def _ns_fields(group: dict) -> tuple:
             group.get("compile", False))
 
 
-def ns_settings(group: dict) -> NSSettings:
+def ns_settings(group: dict, device_type: Optional[str] = None) -> NSSettings:
+    """A group's NS settings for NS on ``device_type`` (default: where the group's tensors live, else
+    this process's accelerator or CPU), ``ns_dtype="auto"`` resolved (:mod:`~ds_muon.rules.ns_auto`)."""
     steps, coefficients, dtype, eps, method, compiled = _ns_fields(group)
-    return NSSettings(steps, coefficients, compute_dtype(method, as_dtype(dtype, "ns_dtype")), eps, method,
-                      bool(compiled))
+    if device_type is None:
+        device_type = group_device_type(group)
+    asked = resolve_dtype(dtype, device_type) if dtype == AUTO else as_dtype(dtype, "ns_dtype")
+    return NSSettings(steps, coefficients, compute_dtype(method, asked), eps, method, bool(compiled), device_type)
+
 
 
 def exchange_key(layout: Layout, todo: List[int], param_groups) -> tuple:
@@ -190,7 +201,7 @@ def planner_task(layout: Layout, i: int, ns: NSSettings, wire_bytes: int) -> Mat
     plans on it and :meth:`ds_muon.Muon.summary` reports it, so the two cannot drift apart."""
     info = layout.matrices[i]
     return MatrixTask(info.rows, info.cols, ns.steps, wire_bytes,
-                      tuple(info.held_numel(r) for r in range(layout.world_size)), ns.method,
+                      tuple(info.held_numel(r) for r in range(layout.world_size)), ns.method_for(info.rows, info.cols),
                       replica_groups([h for _, h in info.distinct_pieces()]))
 
 
@@ -216,12 +227,13 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
     nbytes: Dict[int, int] = {}  # each matrix's bytes in its momentum's dtype (the memory budget's unit)
     for i in todo:
         b, _ = layout.local[i]
-        ns = ns_at[i] = ns_settings(group_of[id(b.param)])
         info = layout.matrices[i]
         mom_dtype = b.flat(b.param).dtype
         nbytes[i] = layout.matrices[i].numel * mom_dtype.itemsize
         device = b.flat(b.param).device
         offloaded = host_state(b.param, offload)
+        ns_device = device.type if not (offloaded and accelerator() is not None) else accelerator().type
+        ns = ns_at[i] = ns_settings(group_of[id(b.param)], ns_device)
         if comm_dtype is not None:
             dts = (comm_dtype, comm_dtype)
         else:  # lossless: NS casts its input to this dtype first anyway
@@ -257,7 +269,8 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
                     homes = dict(zip(idx, rebalance_homes(tasks, layout.world_size, planned, at, cost_model)))
                     compiled.append(_team_exchange(layout, teams, ns_at, gdt, sdt, device, group, team_groups))
                     idx = [i for i in idx if i not in teams]
-        cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps, ns_at[i].method) for i in idx]
+        cost = [ns_flops(layout.matrices[i].rows, layout.matrices[i].cols, ns_at[i].steps,
+                         ns_at[i].method_for(layout.matrices[i].rows, layout.matrices[i].cols)) for i in idx]
         cut = split_waves(idx, cost, waves) if idx else []
         if layout.world_size == 1:  # nothing to overlap: waves of bounded memory, each run whole in turn
             cut = split_by_bytes(cut, nbytes, budget)
@@ -273,8 +286,7 @@ def team_eligible(layout: Layout, i: int, ns: NSSettings, device) -> bool:
     block is not: :class:`~ds_muon.engine.plan.team.TeamExchange` cuts ranges), and it iterates the standard way
     (the Gram iteration keeps its own m×m state), eagerly."""
     info = layout.matrices[i]
-    method = resolve_method(ns.method, info.rows, info.cols, ns.steps, ns.dtype,
-                            getattr(device, "type", "cpu"))
+    method = resolve_method(ns.method, info.rows, info.cols, ns.steps, ns.dtype, ns.device_type)
     return (method == "standard" and not ns.compile
             and all(p is None or p.numel == 0 or p.contiguous for p in info.pieces))
 

@@ -76,6 +76,7 @@ class Summary:
     notes: List[str] = field(default_factory=list)
     cost_model: Optional[dict] = None  # the rates the optimizer planned with (CostModel fields)
     qk_clip: Optional[dict] = None  # QK-clip: tau, alpha, steps, heads clipped (last step, total), last S_max per head
+    ns: str = ""  # the NS dtype and method each Muon group runs, "auto" resolved (ds_muon.rules.ns_auto)
 
     # -- counts ------------------------------------------------------------------
     @property
@@ -99,8 +100,9 @@ class Summary:
     def log_line(self) -> str:
         return (f"ds_muon: {self.muon_tensors} tensors Muon ({len(self.matrices)} matrices), {self.adamw_tensors} "
                 f"AdamW; per step, busiest rank: NS {self.max_ns_gflop():.4g} GFLOP, {self.max_mb_moved():.4g} MB "
-                f"moved (sent + received); world {self.world_size}, mode {self.mode}, planner {self.planner} "
-                "(Muon.summary() prints the table; log_summary=False turns this line off)")
+                f"moved (sent + received); world {self.world_size}, mode {self.mode}, planner {self.planner}"
+                + (f"; {self.ns}" if self.ns else "")
+                + " (Muon.summary() prints the table; log_summary=False turns this line off)")
 
     # -- the planner's table -------------------------------------------------------
     def plan_rows(self, strategies: Optional[Sequence[str]] = None, cost_model=None) -> List[dict]:
@@ -148,7 +150,7 @@ class Summary:
         head = (f"ds_muon.Muon summary: {self.muon_tensors} tensors Muon ({len(self.matrices)} matrices), "
                 f"{self.adamw_tensors} AdamW; world {self.world_size} (computed on rank {self.rank}), mode "
                 f"{self.mode}, planner {self.planner}, {self.waves} wave(s)"
-                + (f", {self.domains} domains" if self.domains > 1 else ""))
+                + (f", {self.domains} domains" if self.domains > 1 else "") + (f"\n{self.ns}" if self.ns else ""))
         table = [("tensor", "algo", "why", "shape", "matrix", "rows x cols", "scale", "home")]
         for t in self.tensors:
             shape = "x".join(map(str, t.shape))

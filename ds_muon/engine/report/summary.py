@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from ...rules import ns_auto
 from ...rules.newton_schulz import ns_flops
 from ...rules.scaling import get_muon_scale_factor
 from ..plan.compile import compile_exchanges, ns_settings, planner_task
@@ -148,7 +149,7 @@ def summarize(opt, groups: Optional[List[dict]] = None, sets: Optional[List[tupl
                     b, slot = layout.local[i]
                     g = group_of[id(b.param)]
                     ns = ns_settings(g)
-                    cost = ns_flops(info.rows, info.cols, ns.steps, ns.method)
+                    cost = ns_flops(info.rows, info.cols, ns.steps, ns.method_for(info.rows, info.cols))
                     at = tuple(ranks[h] for h in ex.homes[i])
                     team = len(at) if hasattr(ex, "teams") else 0
                     widths = team_widths(info.rows, info.cols, team) if team else ()
@@ -159,7 +160,7 @@ def summarize(opt, groups: Optional[List[dict]] = None, sets: Optional[List[tupl
                     task = planner_task(layout, i, ns, ex.gather_dtype.itemsize)  # what the optimizer planned on
                     by_key[info.key] = MatrixRow(
                         info.key, (info.rows, info.cols), update_scale(g, (info.rows, info.cols), slot.transposed),
-                        at, cost, task.held, d, ns.steps, ns.method, task.elem_bytes, task.groups, team)
+                        at, cost, task.held, d, ns.steps, task.method, task.elem_bytes, task.groups, team)
     tensors = _tensor_rows(opt, groups, bindings, by_key)
     all_ranks = sorted(set(sent) | set(flops)) or [_this_rank()]
     rank_rows = [RankRow(r, homed[r], flops[r], sent[r], received[r]) for r in all_ranks]
@@ -180,8 +181,36 @@ def summarize(opt, groups: Optional[List[dict]] = None, sets: Optional[List[tupl
     if _zero3_before_step(groups, by_key):
         notes.append(ZERO3_NOTE)
     clip = getattr(opt, "qk_clip", None)  # ds_muon.QKClip: what it did at the last step
+    ns, ns_notes = ns_line(groups)
     return Summary(tensors, rank_rows, _world(), _this_rank(), opt.mode, opt.planner, opt.waves, max(1, domains),
-                   notes, dataclasses.asdict(opt.planning_cost_model()), clip.report() if clip is not None else None)
+                   notes + ns_notes, dataclasses.asdict(opt.planning_cost_model()),
+                   clip.report() if clip is not None else None, ns)
+
+
+def ns_line(groups: List[dict]) -> Tuple[str, List[str]]:
+    """The NS each Muon group runs, e.g. ``NS in auto -> bfloat16, method auto -> standard (auto on
+    cpu:GenuineIntel:amx_bf16)``: what ``"auto"`` became on this machine (:mod:`~ds_muon.rules.ns_auto`),
+    an explicit setting as given; and a note per device saying why (for the table)."""
+    parts, why = [], {}
+    for gi, g in enumerate(groups):
+        if not g.get("use_muon", True):
+            continue
+        ns = ns_settings(g)
+        asked = ns_auto.resolve_dtype(g["ns_dtype"], ns.device_type)
+        text = f"in {'auto -> ' if g['ns_dtype'] == ns_auto.AUTO else ''}{str(asked).replace('torch.', '')}, method "
+        if g["ns_method"] == ns_auto.AUTO:
+            gram = ns_auto.gram_pays(ns.device_type, asked)
+            text += "auto -> " + ("gram where it saves FLOPs, else standard" if gram else "standard")
+        else:
+            text += g["ns_method"]
+        if g["ns_dtype"] == ns_auto.AUTO or g["ns_method"] == ns_auto.AUTO:
+            choice = ns_auto.choice(ns.device_type)
+            text += f" (auto on {choice.device})"
+            why.setdefault(ns.device_type, f"NS auto on {choice.device}: {choice.why}.")
+        if not parts or parts[-1][1] != text:
+            parts.append((gi, text))
+    line = ("NS " + "; ".join((f"group {gi}+: " if len(parts) > 1 else "") + t for gi, t in parts)) if parts else ""
+    return line, list(why.values())
 
 
 ZERO3_NOTE = ("DeepSpeed ZeRO-3 hands the optimizer its partitions only inside step(): matrices, homes and "
@@ -214,8 +243,9 @@ def summarize_planned(opt, bind) -> Summary:
             for s in (b.matrices if b is not None else ()):
                 rows, cols = s.matrix_shape
                 if rows * cols:
+                    method = ns.method_for(rows, cols)
                     by_key[s.key] = MatrixRow(s.key, (rows, cols), update_scale(g, (rows, cols), s.transposed), (),
-                                              ns_flops(rows, cols, ns.steps, ns.method), (), 0, ns.steps, ns.method, 0)
+                                              ns_flops(rows, cols, ns.steps, method), (), 0, ns.steps, method, 0)
     notes = [f"Before the first step, on rank {_this_rank()} alone: homes, team NS and the per-rank NS FLOPs and "
              f"bytes are {PLANNED} (placing every rank's pieces is a collective). summary() after the first "
              "step, or summary(all_ranks=True) called on every rank now, gives the exact plan."]
@@ -225,9 +255,10 @@ def summarize_planned(opt, bind) -> Summary:
     if _zero3_before_step(groups, by_key):
         notes.append(ZERO3_NOTE)
     clip = getattr(opt, "qk_clip", None)
+    ns, ns_notes = ns_line(groups)
     return Summary(_tensor_rows(opt, groups, bindings, by_key), [], _world(), _this_rank(), opt.mode, opt.planner,
-                   opt.waves, 1, notes, dataclasses.asdict(opt.planning_cost_model()),
-                   clip.report() if clip is not None else None)
+                   opt.waves, 1, notes + ns_notes, dataclasses.asdict(opt.planning_cost_model()),
+                   clip.report() if clip is not None else None, ns)
 
 
 def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]) -> List[TensorRow]:

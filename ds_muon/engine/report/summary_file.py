@@ -131,7 +131,8 @@ def summary_from_dict(d, Summary, TensorRow, MatrixRow, RankRow):
     out = Summary(tensors, ranks, world, _int(d["rank"], "rank"), _str(d["mode"], "mode"),
                   _str(d["planner"], "planner"), _int(d["waves"], "waves", 1), _int(d.get("domains", 1), "domains", 1),
                   [_str(n, f"notes[{k}]") for k, n in enumerate(_list(d.get("notes", []), "notes"))],
-                  _cost_model(d.get("cost_model"), "cost_model"), _qk_clip(d.get("qk_clip"), "qk_clip"))
+                  _cost_model(d.get("cost_model"), "cost_model"), _qk_clip(d.get("qk_clip"), "qk_clip"),
+                  _str(d.get("ns", ""), "ns"))
     _check_consistent(out)
     return out
 

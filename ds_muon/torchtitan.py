@@ -70,7 +70,7 @@ class MuonOptimizers(torch.optim.Optimizer):
                 "several stages per rank); ds_muon steps one part per rank. Use one stage per rank")
         settings = dict(config.muon)
         for key in ("ns_dtype", "comm_dtype"):
-            if isinstance(settings.get(key), str):  # a TOML/CLI string such as "bfloat16"
+            if isinstance(settings.get(key), str) and settings[key] != "auto":  # a TOML/CLI string such as "bfloat16"
                 settings[key] = getattr(torch, settings[key])
         group_kw = {k: settings.pop(k) for k in _GROUP_KEYS if k in settings}
         group_kw.update(lr=config.lr, adam_lr=config.adam_lr, weight_decay=config.weight_decay,

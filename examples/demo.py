@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +24,15 @@ RUNS = {  # name: extra train_gpt flags (tuned learning rates)
     "ds_muon": ["--optimizer", "ds_muon", "--lr", "0.02", "--adam-lr", "0.003"],
     "AdamW": ["--optimizer", "adamw", "--adam-lr", "0.0015"],
 }
+
+
+def median_step_seconds(path: str) -> float:
+    """The median time of one training step in a train_gpt metrics file (``time`` is cumulative): the
+    first step (warm-up) and each step right after an evaluation (whose time it includes) left out."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:]) if "eval_loss" not in a]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def main():
@@ -51,6 +61,9 @@ def main():
     print(f"\n{'optimizer':<10}{'final eval loss':>16}{'train time':>12}")
     for name, r in results.items():
         print(f"{name:<10}{r['final_eval_loss']:>16.4f}{r['seconds']:>11.1f}s")
+    steps = {name: median_step_seconds(os.path.join(args.out, f"fsdp2-{name}.jsonl")) for name in RUNS}
+    print(f"\nmedian step (from the metrics files): " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in steps.items())
+          + f"; ds_muon / AdamW {steps['ds_muon'] / steps['AdamW']:.2f}x")
     ratio = results["ds_muon"]["final_eval_loss"] / results["AdamW"]["final_eval_loss"]
     print(f"\nds_muon / AdamW eval loss: {ratio:.3f}; ds_muon's matrices were orthogonalized at home ranks "
           f"{results['ds_muon'].get('muon_home_ranks')}")

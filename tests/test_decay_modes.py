@@ -32,7 +32,7 @@ LR, WD, ADAM_LR, ADAM_WD, M, BETAS, EPS = 0.1, 0.3, 0.01, 0.2, 0.9, (0.9, 0.95),
 
 # -- one process against the formulas --------------------------------------------------------------
 def _ns(x):
-    return ds_muon.newton_schulz(x, dtype=torch.float32)
+    return ds_muon.newton_schulz(x, dtype=torch.float32, method="auto")  # what Muon's default method runs
 
 
 def _scale(shape):

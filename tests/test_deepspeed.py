@@ -232,7 +232,7 @@ def test_ns_once_per_optimizer_step():
 
 # -- checkpoints ------------------------------------------------------------------
 def _checkpoint_worker(rank, world, stage, bf16, path):
-    cfg = ds_config(stage, bf16=bf16, params=dict(PARAMS, ns_dtype="bfloat16"))
+    cfg = ds_config(stage, bf16=bf16, params=dict(PARAMS, ns_dtype="auto"))  # resume, not dtypes: the fast one
     engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=cfg)
     train(engine, 2)
     engine.save_checkpoint(path, tag="t2")

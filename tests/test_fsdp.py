@@ -21,6 +21,7 @@ import ds_muon
 from ds_muon.fsdp import fsdp_param_groups
 
 import dist_harness
+from conftest import FAST_NS_DTYPE
 from models import Block, batches, lm_loss, make_gpt
 
 GROUP_OPTS = dict(lr=0.02, adam_lr=3e-3, weight_decay=0.1, adam_weight_decay=0.01)
@@ -33,7 +34,7 @@ def _data(n=4):
     return batches(n, batch=4, seq=16, vocab=64, seed=1)
 
 
-def reference(steps=PARITY_STEPS, mixed_precision=False, ns_dtype=torch.bfloat16):
+def reference(steps=PARITY_STEPS, mixed_precision=False, ns_dtype=FAST_NS_DTYPE):
     """Single-process ds_muon on the unwrapped model, one thread like each rank."""
     with dist_harness.one_thread():
         model = make_gpt(gate=True)
@@ -58,7 +59,7 @@ def reference(steps=PARITY_STEPS, mixed_precision=False, ns_dtype=torch.bfloat16
 
 
 def _muon_opts(cfg):
-    return dict(MUON_OPTS, ns_dtype=cfg.get("ns_dtype", torch.bfloat16))
+    return dict(MUON_OPTS, ns_dtype=cfg.get("ns_dtype", FAST_NS_DTYPE))  # stacks, not dtypes: the fast one
 
 
 # -- building wrapped models -------------------------------------------------------
@@ -282,7 +283,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fsdp_matches_single_process(name, tmp_path):
     cfg, world, exact, resume = CONFIGS[name]
-    ref = reference(mixed_precision=cfg.get("mixed_precision", False), ns_dtype=cfg.get("ns_dtype", torch.bfloat16))
+    ref = reference(mixed_precision=cfg.get("mixed_precision", False), ns_dtype=cfg.get("ns_dtype", FAST_NS_DTYPE))
     results = dist_harness.run(_worker, world, cfg, str(tmp_path) if resume else None, timeout=240)
     _check_parity(results, ref, exact)
     _check_extras(results)

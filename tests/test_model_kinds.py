@@ -56,7 +56,7 @@ def _one_step(model, **kw):
 
 def _expected(w0, grad, stored_in_out=False):
     """The hand-written reference for one 2-D block: NS on its own, the scale of its [out, in]."""
-    o = ds_muon.newton_schulz(grad.contiguous(), dtype=torch.float32)
+    o = ds_muon.newton_schulz(grad.contiguous(), dtype=torch.float32, method="auto")  # Muon's default method
     r, c = grad.shape
     scale = ds_muon.get_muon_scale_factor(*((c, r) if stored_in_out else (r, c)))
     return w0.clone().add_(o, alpha=-LR * scale)

@@ -88,7 +88,7 @@ def _one_step(model, ns_dtype=torch.float32):
 
 def _expected(w0, grad_2d, out_in):
     """``w0 - lr·scale·NS(grad)`` for one 2-D block, NS and scale computed on their own."""
-    o = ds_muon.newton_schulz(grad_2d, dtype=torch.float32)
+    o = ds_muon.newton_schulz(grad_2d, dtype=torch.float32, method="auto")  # Muon's default method
     scale = ds_muon.get_muon_scale_factor(*out_in)
     return w0.clone().add_(o, alpha=-LR * scale)
 

@@ -168,8 +168,9 @@ def test_gram_restart_keeps_polar_express_accurate_in_bf16(monkeypatch):
 
 def test_auto_picks_gram_only_where_it_saves_flops_and_runs_at_full_rate(monkeypatch):
     """Gram where it saves FLOPs (wide, not square) and the device's table lets Gram run in the asked
-    dtype (ns_auto.gram_pays): fp32 and fp16 everywhere (the same GEMMs, fewer; as accurate against the
-    float64 polar factor), bf16 only where fp16 runs at bf16's rate (a GPU; CPUs: 5-17x slower)."""
+    dtype (ns_auto.gram_pays): fp32 everywhere (the same GEMMs, fewer; as accurate against the float64
+    polar factor), bf16 only where fp16 runs at bf16's rate (a GPU; CPUs: 5-17x slower), fp16 nowhere
+    (small CPU stacks round a matrix with its batch)."""
     from ds_muon.rules import ns_auto
     from ds_muon.rules.newton_schulz import resolve_method
 
@@ -178,9 +179,9 @@ def test_auto_picks_gram_only_where_it_saves_flops_and_runs_at_full_rate(monkeyp
     ns_auto.reset()
     try:
         for device in ("cpu", "cuda"):
-            for dtype in (torch.float32, torch.float16):
-                assert resolve_method("auto", 64, 256, 5, dtype, device) == "gram"
-                assert resolve_method("auto", 256, 64, 5, dtype, device) == "gram"
+            assert resolve_method("auto", 64, 256, 5, torch.float32, device) == "gram"
+            assert resolve_method("auto", 256, 64, 5, torch.float32, device) == "gram"
+            assert resolve_method("auto", 64, 256, 5, torch.float16, device) == "standard"
             assert resolve_method("auto", 32, 32, 5, torch.bfloat16, device) == "standard"  # square: no saving
             assert resolve_method("auto", 32, 32, 5, torch.float32, device) == "standard"
             assert resolve_method("standard", 64, 256, 5, torch.bfloat16, device) == "standard"

@@ -20,6 +20,8 @@ import ds_muon
 from ds_muon.rules.newton_schulz import newton_schulz
 from ds_muon.rules.scaling import get_muon_scale_factor
 
+from conftest import FAST_NS_DTYPE
+
 KEY = "normuon_v"
 
 
@@ -108,7 +110,7 @@ def test_single_process_equals_formula():
     model, steps, lr = Net(), 3, 0.02
     start = copy.deepcopy(model)
     grads = _grads(model, steps)
-    ns_kw = dict(steps=5, coefficients="keller", dtype=torch.float32, eps=1e-7)
+    ns_kw = dict(steps=5, coefficients="keller", dtype=torch.float32, eps=1e-7, method="auto")  # Muon's default method
     opt = _train(model, grads, steps, lr=lr, momentum=0.9, variant="normuon", normuon_beta2=0.9, ns_dtype=torch.float32)
     want, want_v = _reference(start, grads, steps, lr, 0.9, 0.9, ns_kw)
     plain = copy.deepcopy(start)
@@ -147,7 +149,7 @@ def test_resume_in_fresh_optimizer_bitwise():
     torch.manual_seed(0)
     model = Net()
     grads = _grads(model, 5)
-    kw = dict(variant="normuon", normuon_beta2=0.8, ns_dtype=torch.bfloat16)
+    kw = dict(variant="normuon", normuon_beta2=0.8, ns_dtype=FAST_NS_DTYPE)  # resume, not dtypes
     a = copy.deepcopy(model)
     opt_a = _train(a, grads, 2, **kw)
     saved, b, c = copy.deepcopy(opt_a.state_dict()), copy.deepcopy(a), copy.deepcopy(a)

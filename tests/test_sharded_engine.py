@@ -16,6 +16,7 @@ import ds_muon
 from ds_muon.engine.exchange.layout import ParamBinding, slots_in_range
 
 import dist_harness
+from conftest import FAST_NS_DTYPE
 from models import HandAdapter
 
 SHAPES = [(16, 24), (16, 24), (16, 24), (40, 12), (12, 40), (20, 20), (2, 3), (1, 17), (19, 1), (8, 3, 3, 3),
@@ -160,8 +161,8 @@ def test_flat_partition_bitwise(world, ns_dtype):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", ["sharded", "duplicated"])
 def test_replicated_bitwise(world, mode):
-    ref_mats, ref_bias = reference(torch.bfloat16)
-    results = dist_harness.run(_replicated_worker, world, torch.bfloat16, mode, True)
+    ref_mats, ref_bias = reference(FAST_NS_DTYPE)  # homes, not dtypes: the machine's fast NS dtype
+    results = dist_harness.run(_replicated_worker, world, FAST_NS_DTYPE, mode, True)
     for rank, (mats, bias, counts) in enumerate(results):
         for i, (a, b) in enumerate(zip(mats, ref_mats)):
             assert torch.equal(a, b), f"rank {rank} matrix {i} {SHAPES[i]}"

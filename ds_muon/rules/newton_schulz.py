@@ -125,11 +125,11 @@ def resolve_method(method: str, rows: int, cols: int, steps: int, dtype: torch.d
     A pure function of shape, settings and the device's (agreed) choice, so every rank picks the same.
 
     Accuracy does not decide it: against a float64 polar factor Gram's error equals the standard
-    iteration's to 4 digits in fp32, fp16 and bf16-asked (8 shapes × 3 inputs,
-    ``benchmarks/ns_accuracy.py``; its rounding alone, against the same iteration in float64, is
-    1-2× the standard's in fp32 (~2e-6) and 3-7× *smaller* asked in bf16, where it iterates in
-    fp16).  Speed does: fp16 GEMMs run at bf16's rate only on GPUs; on CPUs without fp16 matrix
-    units they took fp32's time, 5× bf16's (Intel AMX box), so there a bf16 ask stays standard.
+    iteration's to 4 digits in fp32, fp16 and bf16-asked (6 shapes × 3 inputs; its rounding alone,
+    against the same iteration in float64, is 1-2× the standard's in fp32 (~2e-6) and 3-7× *smaller*
+    asked in bf16, where it iterates in fp16).  Speed and bits do: fp16 GEMMs run at bf16's rate only
+    on GPUs (on CPUs without fp16 matrix units: fp32's time, 5× bf16's), and small fp16 stacks on a
+    CPU round a matrix differently with its batch neighbours; fp32 Gram kept its bits on 80 shapes.
     """
     if method != "auto":
         return method

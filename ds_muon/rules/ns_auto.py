@@ -10,11 +10,13 @@ CUDA compute capability), and, where the table has no entry, a short measurement
 ``baddbmm``, about 50 ms).  It is made once per process and cached.
 
 ``ns_method="auto"`` takes the Gram iteration per matrix where it does fewer FLOPs
-(:func:`~ds_muon.rules.newton_schulz.use_gram`) *and* the device runs Gram's dtype at full rate:
-against a float64 polar factor its error equals the standard iteration's to 4 digits in fp32, fp16
-and bf16-asked (which iterates in fp16) on every shape measured (``benchmarks/ns_accuracy.py``,
-docs/PERFORMANCE.md), so only speed decides.  Asked for in bf16 Gram runs in fp16, which CPUs
-without fp16 matrix units multiply 5× slower than bf16 (measured here): there it stays standard.
+(:func:`~ds_muon.rules.newton_schulz.use_gram`) *and* the device's entry lists the dtype: against
+a float64 polar factor its error equals the standard iteration's to 4 digits in fp32, fp16 and
+bf16-asked (which iterates in fp16) on every shape measured (``benchmarks/ns_auto_bench.py``,
+docs/PERFORMANCE.md), so speed and bits decide.  fp32: everywhere (the same GEMMs, fewer).  Asked in
+bf16 Gram runs in fp16, which CPUs without fp16 matrix units multiply 5× slower than bf16, and whose
+small CPU stacks round a matrix differently with its batch neighbours (sharded parity would break):
+bf16 Gram on sm80+ GPUs only, fp16 Gram nowhere.
 
 Every rank must decide alike (a different dtype changes the bits, and so bitwise parity and the
 duplicated homes): the step's agreement compares the resolved values
@@ -26,6 +28,7 @@ An explicit setting always wins and is never looked up here.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from typing import Dict, FrozenSet, NamedTuple, Optional, Tuple
@@ -50,32 +53,44 @@ class Choice(NamedTuple):
 
 # -- the table ------------------------------------------------------------------------------------
 # CPUs, first match wins: (flags the CPU must have, flags it must lack, dtype, dtypes Gram may run in, why).
-# Gram in fp32 and fp16 runs the asked dtype's GEMMs, fewer of them: it pays wherever it saves FLOPs.
-_GRAM_SAME_DTYPE = frozenset({"float32", "float16"})
+# Gram in fp32 runs fp32's GEMMs, fewer of them: it pays wherever it saves FLOPs, and a matrix's bits do
+# not depend on its batch (80 shapes, tests/test_ns_auto.py), which sharded parity rests on.  In fp16 (and
+# asked in bf16, which iterates in fp16) small CPU stacks round a matrix differently with its batch
+# neighbours (3 of 10 shapes): never on a CPU.
+_GRAM_FP32 = frozenset({"float32"})
 CPU_TABLE: Tuple[Tuple[FrozenSet[str], FrozenSet[str], str, FrozenSet[str], str], ...] = (
-    (frozenset({"amx_bf16"}), frozenset(), "bfloat16", _GRAM_SAME_DTYPE,
+    (frozenset({"amx_bf16"}), frozenset(), "bfloat16", _GRAM_FP32,
      "AMX bf16 tiles: bf16 baddbmm 5-7x fp32's rate, the bf16 NS 2-5x faster than fp32 (Intel Xeon Sapphire "
-     "Rapids, measured); fp16 runs at fp32's rate, so no bf16 Gram (it iterates in fp16)"),
-    (frozenset({"avx512_bf16"}), frozenset(), "bfloat16", _GRAM_SAME_DTYPE,
+     "Rapids, measured); fp16 runs at fp32's rate, so no bf16 Gram (it would iterate in fp16)"),
+    (frozenset({"avx512_bf16"}), frozenset(), "bfloat16", _GRAM_FP32,
      "avx512_bf16 dot products (AMD EPYC Zen 4, Intel Cooper Lake): the bf16 demo ran 1.09x AdamW on such an "
      "EPYC (issue 41); no fp16 matrix unit, so no bf16 Gram"),
-    (frozenset({"avx2"}), frozenset({"avx512f", "avx512_bf16", "amx_bf16"}), "float32", _GRAM_SAME_DTYPE,
+    (frozenset({"avx2"}), frozenset({"avx512f", "avx512_bf16", "amx_bf16"}), "float32", _GRAM_FP32,
      "AVX2 without AVX-512 or bf16 units (AMD EPYC Zen 2/3): bf16 baddbmm 1.5-1.7 GFLOP/s against fp32's 55, "
      "a Muon step 870 ms in bf16 against 34 ms in fp32 (issue 41)"),
 )
 # CUDA, by compute capability (major, minor), first match at or above it.
 CUDA_TABLE: Tuple[Tuple[Tuple[int, int], str, FrozenSet[str], str], ...] = (
-    ((8, 0), "bfloat16", frozenset({"bfloat16", "float16", "float32"}),
+    ((8, 0), "bfloat16", frozenset({"bfloat16", "float32"}),
      "sm80+: bf16 and fp16 tensor cores at the same rate (Gram asked in bf16 iterates in fp16, as DeepSpeed's Muon)"),
-    ((7, 0), "float16", _GRAM_SAME_DTYPE, "sm70/sm75: fp16 tensor cores, no bf16 units"),
-    ((0, 0), "float32", _GRAM_SAME_DTYPE, "below sm70: no half-precision matrix units"),
+    ((7, 0), "float16", _GRAM_FP32, "sm70/sm75: fp16 tensor cores, no bf16 units"),
+    ((0, 0), "float32", _GRAM_FP32, "below sm70: no half-precision matrix units"),
 )
 HALF_WINS = 0.8  # measured: a half dtype only where its NS product takes at most this share of fp32's time
 
 
 # -- what the device is (mocked by tests) --------------------------------------------------------------
+FLAGS_ENV = "DS_MUON_CPU_FLAGS"  # "vendor:flag flag ..." read instead of /proc/cpuinfo: another CPU, simulated
+
+
 def read_cpuinfo() -> Tuple[str, FrozenSet[str]]:
-    """(vendor, flags) of this CPU from ``/proc/cpuinfo``; ("unknown", {}) where there is none."""
+    """(vendor, flags) of this CPU from ``/proc/cpuinfo``; ("unknown", {}) where there is none.
+    ``DS_MUON_CPU_FLAGS="AuthenticAMD:avx2 fma"`` stands in for it (what "auto" would pick on such a
+    CPU, e.g. to run the tests as an AVX2-only CI machine would; the speed stays this machine's)."""
+    simulated = os.environ.get(FLAGS_ENV)
+    if simulated:
+        vendor, _, flags = simulated.rpartition(":")
+        return vendor or "unknown", frozenset(flags.split())
     vendor, flags = "unknown", frozenset()
     try:
         with open("/proc/cpuinfo") as f:
@@ -140,7 +155,7 @@ def measure(device_type: str, repeats: int = 5) -> Choice:
                 times[dt].append(t1 - t0)
     bf16, fp32 = (statistics.median(times[dt]) for dt in (torch.bfloat16, torch.float32))
     dtype = "bfloat16" if bf16 <= HALF_WINS * fp32 else "float32"
-    return Choice(dtype, _GRAM_SAME_DTYPE, f"{device_type}:measured",
+    return Choice(dtype, _GRAM_FP32, f"{device_type}:measured",
                   f"measured: bf16 baddbmm took {bf16 / max(fp32, 1e-12):.2f}x fp32's time")
 
 
@@ -154,7 +169,7 @@ def _decided(device_type: str) -> Choice:
     if entry is not None:
         return entry
     if device_type == "cuda" and cuda_capability() is None:  # asked about a device this process lacks
-        return Choice("float32", _GRAM_SAME_DTYPE, "cuda:none", "no CUDA device in this process")
+        return Choice("float32", _GRAM_FP32, "cuda:none", "no CUDA device in this process")
     return measure(device_type)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -38,12 +39,16 @@ CHOICES = [(dt, m) for dt in ("bfloat16", "float16", "float32") for m in ("stand
 
 
 class Bank(nn.Module):
-    """Wide and tall matrices, where Gram saves FLOPs, and square ones, where it does not."""
+    """Wide and tall matrices, where Gram saves FLOPs, and square ones, where it does not (linear maps
+    [out, in]: 4 of 256x1024, 4 of 1024x256, 4 of 256x256)."""
 
     def __init__(self):
         super().__init__()
-        self.mats = nn.ParameterList([nn.Parameter(torch.randn(s) * 0.02) for s in
-                                      [(256, 1024)] * 4 + [(1024, 256)] * 4 + [(256, 256)] * 4])
+        self.mats = nn.ModuleList(nn.Linear(i, o, bias=False) for o, i in
+                                  [(256, 1024)] * 4 + [(1024, 256)] * 4 + [(256, 256)] * 4)
+
+    def forward(self, x):  # (never called: the gradients are drawn)
+        return x
 
 
 def _matrices(model):
@@ -142,7 +147,10 @@ def part_b(name, model, repeats):
     mats = _matrices(model)
     grads = _grads(model, 1)
     polars = {p: _polar(grads[p]) for p in mats}
-    libs = {"ds_muon (auto)": lambda: ds_muon.Muon(ds_muon.muon_param_groups(model), log_summary=False),
+    # split_fused=False: every library orthogonalizes the same matrices (ds_muon's default splits a fused
+    # qkv into q, k and v, whose polar factors are not the fused matrix's)
+    libs = {"ds_muon (auto)": lambda: ds_muon.Muon(ds_muon.muon_param_groups(model, split_fused=False),
+                                                   log_summary=False),
             "torch.optim.Muon": lambda: torch.optim.Muon(mats)}
     try:
         from deepspeed.runtime.zero.muon.original_muon import SingleDeviceMuon, ns_compute_dtype
@@ -158,6 +166,10 @@ def part_b(name, model, repeats):
     for k in range(repeats + 2):  # interleaved; two rounds warm up (DeepSpeed compiles)
         for lib, opt in opts.items():
             before = {p: p.detach().clone() for p in mats}
+            if lib not in errs:  # zero weights: the update is the NS result alone, whatever the decay default
+                with torch.no_grad():  # (torch.optim.Muon decays by 0.1 by default, the others by 0)
+                    for p in mats:
+                        p.zero_()
             _set(model, grads)
             c0, w0 = time.process_time(), time.perf_counter()
             opt.step()
@@ -165,7 +177,7 @@ def part_b(name, model, repeats):
             if k >= 2:
                 times[lib].append((c1 - c0, w1 - w0))
             if lib not in errs:  # the first step (momentum from zero): the update is the gradient's NS
-                errs[lib] = [_direction_error(p.detach() - before[p], polars[p]) for p in mats]
+                errs[lib] = [_direction_error(p.detach().clone(), polars[p]) for p in mats]
             with torch.no_grad():
                 for p in mats:
                     p.copy_(before[p])
@@ -206,14 +218,17 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    warnings.filterwarnings("ignore")  # muon_param_groups' notes on the bank, inductor's deprecations
     header("ns_dtype/ns_method auto: the default against every choice, and three Muons at their defaults")
     fp32_rate = _gemm_rate(args.repeats)
     print(f"this machine's fp32 GEMM (baddbmm 16x128x128, one thread): {fp32_rate / 1e9:.1f} GFLOP/s; "
           f"auto: {ns_auto.choice('cpu').describe()}")
     auto_table()
-    for name, model in (("demo GPT (d=128, 4 layers)", GPT()), ("wide bank", Bank())):
-        part_a(name, model, args.repeats, fp32_rate)
-        part_b(name, model, args.repeats)
+    for name, make in (("demo GPT (d=128, 4 layers)", GPT), ("wide bank", Bank)):
+        torch.manual_seed(0)
+        part_a(name, make(), args.repeats, fp32_rate)
+        torch.manual_seed(0)
+        part_b(name, make(), args.repeats)  # a fresh model: muon_param_groups records on the parameters
 
 
 if __name__ == "__main__":

@@ -109,7 +109,8 @@ def optimizers(kind: str, model: nn.Module) -> list:
     ``"torch"``: torch.optim.Muon on the same Muon tensors beside torch.optim.AdamW on the rest."""
     groups = ds_muon.muon_param_groups(model)
     if kind == "ds_muon":
-        return [ds_muon.Muon(groups, lr=0.02, log_summary=False)]
+        # torch.optim.Muon's NS (bf16, standard), so both hold and peak on the same maths whatever auto picks
+        return [ds_muon.Muon(groups, lr=0.02, log_summary=False, ns_dtype=torch.bfloat16, ns_method="standard")]
     muon = [p for g in groups if g.get("use_muon", True) for p in g["params"]]
     adam = [p for g in groups if not g.get("use_muon", True) for p in g["params"]]
     return [torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True), torch.optim.AdamW(adam, lr=3e-4)]

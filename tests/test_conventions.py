@@ -93,7 +93,7 @@ def test_older_state_dict_gets_defaults_and_tensor_steps():
             st["step"] = float(st["step"])  # older torch / hand-made state dicts
     old = build(b)
     old.load_state_dict(sd)
-    assert old.param_groups[0]["ns_method"] == "standard"
+    assert old.param_groups[0]["ns_method"] == old.defaults["ns_method"] == "auto"  # the default fills it
     assert old.param_groups[1]["betas"] == opt.adam_betas and old.param_groups[1]["eps"] == opt.adam_eps
     steps = [st["step"] for st in old.state.values() if "step" in st]
     assert steps and all(torch.is_tensor(s) and s.dtype == torch.float32 for s in steps)

@@ -66,6 +66,7 @@ SETTINGS = dict(lr=0.02, adam_lr=3e-3, weight_decay=0.0, adam_weight_decay=0.0)
 
 def ds_muon_for(model, **kw):
     groups = ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-3)
+    kw = {"ns_dtype": torch.bfloat16, "ns_method": "standard", **kw}  # torch.optim.Muon's NS, on every CPU
     return ds_muon.Muon(groups, adam_betas=(0.9, 0.95), adam_eps=1e-8, log_summary=False, **kw)
 
 

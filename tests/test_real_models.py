@@ -50,7 +50,8 @@ def test_llama_matches_torch_optim_muon_bitwise():
         a, b = FAMILIES["llama"](), FAMILIES["llama"]()
         mats_a = [p for n, p in a.named_parameters() if n in expected_muon("llama", a)]
         mats_b = [p for n, p in b.named_parameters() if n in expected_muon("llama", b)]
-        ours = ds_muon.Muon(mats_a, lr=0.02, momentum=0.95, weight_decay=0.1)
+        ours = ds_muon.Muon(mats_a, lr=0.02, momentum=0.95, weight_decay=0.1, ns_dtype=torch.bfloat16,
+                            ns_method="standard")  # torch's NS, whatever auto picks
         ref = torch.optim.Muon(mats_b, lr=0.02, momentum=0.95, weight_decay=0.1, adjust_lr_fn="original")
         for idx in hf_batches(STEPS):
             for model, opt in ((a, ours), (b, ref)):

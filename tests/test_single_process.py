@@ -39,7 +39,8 @@ def test_matches_torch_muon(nesterov, wd):
         a, b = mlp(), mlp()
         mats_a = [p for p in a.parameters() if p.ndim == 2]
         mats_b = [p for p in b.parameters() if p.ndim == 2]
-        ours = ds_muon.Muon(mats_a, lr=0.02, momentum=0.95, nesterov=nesterov, weight_decay=wd)
+        ours = ds_muon.Muon(mats_a, lr=0.02, momentum=0.95, nesterov=nesterov, weight_decay=wd,
+                            ns_dtype=torch.bfloat16, ns_method="standard")  # torch's NS, whatever auto picks
         ref = torch.optim.Muon(mats_b, lr=0.02, momentum=0.95, nesterov=nesterov, weight_decay=wd,
                                adjust_lr_fn="original")
         train(a, [ours])

@@ -281,7 +281,9 @@ def _wide_norm(X: torch.Tensor, dim) -> torch.Tensor:
     of squares cannot overflow or underflow, and the norm is scaled back in float64: no float64 copy of
     X, which would take 4× X's memory at the step's peak (``tests/test_memory.py``)."""
     if X.dtype == torch.bfloat16:
-        peak = torch.linalg.vector_norm(X, ord=float("inf"), dim=dim, keepdim=True).float()
+        # the largest |entry|, exact either way; amax of abs() took 0.07 ms where vector_norm(ord=inf) took
+        # 0.67 ms on a 256x1024 bf16 matrix (a sixth of the whole bf16 NS, issue 41's bench)
+        peak = X.abs().amax(dim=dim, keepdim=True).float()
         exponent = torch.frexp(peak).exponent
         exponent = torch.where(peak > 0, exponent, torch.zeros_like(exponent)).clamp_(min=-127)  # 2^127 fits bf16
         scale = torch.exp2(-exponent.float())

@@ -62,6 +62,7 @@ def run(model, opts, steps, start=0):
 
 
 SETTINGS = dict(lr=0.02, adam_lr=3e-3, weight_decay=0.0, adam_weight_decay=0.0)
+TORCH_NS = dict(ns_dtype="bfloat16", ns_method="standard")  # torch.optim.Muon's NS (the default is auto)
 
 
 def ds_muon_for(model, **kw):
@@ -114,7 +115,7 @@ def test_torch_file_through_the_cli(tmp_path):
         torch.save({"model": a.state_dict(), "optimizers": [o.state_dict() for o in pair]}, src)
         out = tmp_path / "ds_muon.pt"
         assert main(["convert", str(src), str(out), "--to", "torch", "--model", "test_convert:net",
-                     "--set", "lr=0.02", "adam_lr=0.003"]) == 0
+                     "--set", "lr=0.02", "adam_lr=0.003", "ns_dtype=bfloat16", "ns_method=standard"]) == 0
         b = net()
         muon = ds_muon_for(b)
         ck = torch.load(out, weights_only=False)
@@ -268,7 +269,8 @@ def test_dcp_of_torch_muon_and_adamw_converts_and_resumes_bitwise(tmp_path):
         run(a, pair, 2)
         msd, osd = get_state_dict(a, list(pair))
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "torch_dcp"))
-        cv.convert(str(tmp_path / "torch_dcp"), str(tmp_path / "ours"), net(), to="dcp", settings=SETTINGS)
+        cv.convert(str(tmp_path / "torch_dcp"), str(tmp_path / "ours"), net(), to="dcp",
+                   settings=dict(SETTINGS, **TORCH_NS))
         b = net()
         muon = ds_muon_for(b)
         msd, osd = get_state_dict(b, muon)

@@ -365,8 +365,8 @@ TEAM_MODES = ("independent", "cautious")
 def _team_opts(mode):
     from test_team_ns import FORCE
 
-    return dict(lr=0.05, momentum=0.9, ns_dtype=torch.float32, cost_model=FORCE, weight_decay=0.2,
-                weight_decay_mode=mode, log_summary=False)
+    return dict(lr=0.05, momentum=0.9, ns_dtype=torch.float32, ns_method="standard", cost_model=FORCE,
+                weight_decay=0.2, weight_decay_mode=mode, log_summary=False)  # teams run the standard iteration
 
 
 def _team_worker(rank, world):

@@ -27,7 +27,7 @@ MUON, ADAMW, BOTH = "muon", "adamw", "both"
 KEYS = {
     "momentum": (MUON, 0.8, True), "nesterov": (MUON, False, True), "ns_steps": (MUON, 3, True),
     "ns_coefficients": (MUON, "polar_express", True), "ns_method": (MUON, "gram", False),
-    "ns_dtype": (MUON, "float32", True), "scale_mode": (MUON, "spectral", True),
+    "ns_dtype": (MUON, "float16", True), "scale_mode": (MUON, "spectral", True),  # (auto: bf16 or fp32)
     "extra_scale_factor": (MUON, 2.0, True), "variant": (MUON, "normuon", True), "normuon_beta2": (MUON, 0.5, False),
     "compile": (MUON, True, False),
     "adam_lr": (MUON, 1e-3, False), "adam_betas": (MUON, (0.8, 0.9), False), "adam_eps": (MUON, 1e-6, False),

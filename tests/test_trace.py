@@ -50,11 +50,12 @@ def _check_rows(w, w0, grad, blocks, close=False):
     """Each block (row indices of an [out, in] matrix) updated by ``-lr·scale·NS(grad rows)`` on its own."""
     for rows in blocks:
         idx = torch.tensor(rows)
-        o = ds_muon.newton_schulz(grad[idx], dtype=torch.float32)
+        o = ds_muon.newton_schulz(grad[idx], dtype=torch.float32, method="auto")
         want = w0[idx].clone().add_(o, alpha=-LR * ds_muon.get_muon_scale_factor(len(rows), grad.shape[1]))
         got = w.detach()[idx]
         assert torch.allclose(got, want, atol=1e-6, rtol=0) if close else torch.equal(got, want), rows[:4]
-    whole = w0 - LR * ds_muon.get_muon_scale_factor(*grad.shape) * ds_muon.newton_schulz(grad, dtype=torch.float32)
+    whole = w0 - LR * ds_muon.get_muon_scale_factor(*grad.shape) * ds_muon.newton_schulz(
+        grad, dtype=torch.float32, method="auto")
     assert not torch.allclose(w.detach(), whole, atol=1e-4)  # one matrix would be another update
 
 
@@ -154,7 +155,7 @@ def test_llama4_text_expert_stacks_per_expert_with_gate_and_up_apart():
     gu, down = experts.gate_up_proj, experts.down_proj
     for e in range(gu.shape[0]):
         _check_cols(gu[e], before[name + "gate_up_proj"][e], gu.grad[e], [list(range(ff)), list(range(ff, 2 * ff))])
-        o = ds_muon.newton_schulz(down.grad[e], dtype=torch.float32)  # [ff, hidden] stored [in, out]
+        o = ds_muon.newton_schulz(down.grad[e], dtype=torch.float32, method="auto")  # [ff, hidden] stored [in, out]
         want = before[name + "down_proj"][e].clone().add_(
             o, alpha=-LR * ds_muon.get_muon_scale_factor(down.shape[2], down.shape[1]))
         assert torch.equal(down.detach()[e], want)
@@ -189,7 +190,7 @@ def test_resnet_stem_and_fc_on_adamw_convs_on_muon():
     w = model.layer1[0].conv1.weight
     g2 = w.grad.reshape(w.shape[0], -1)
     want = before["layer1.0.conv1.weight"].reshape(w.shape[0], -1).clone().add_(
-        ds_muon.newton_schulz(g2, dtype=torch.float32), alpha=-LR * ds_muon.get_muon_scale_factor(*g2.shape))
+        ds_muon.newton_schulz(g2, dtype=torch.float32, method="auto"), alpha=-LR * ds_muon.get_muon_scale_factor(*g2.shape))
     assert torch.equal(w.detach().reshape(w.shape[0], -1), want)
 
 

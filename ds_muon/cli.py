@@ -262,6 +262,10 @@ def cmd_plan(args) -> int:
         if args.summary:
             print("--mesh takes the shapes of --preset/--hf-config/--shapes, not --summary", file=sys.stderr)
             return 2
+        if args.plot:  # a mesh is one point: nothing to draw against world size
+            print("--plot draws a sweep over --world-sizes; --mesh plans one mesh: drop --plot (or --mesh)",
+                  file=sys.stderr)
+            return 2
         shapes = _shapes_of(args)
         rows = mesh_table(shapes, args.mesh, cm, args.ns_steps)
         if args.json:

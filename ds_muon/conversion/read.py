@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..integrations.safe_load import load, loads_pickle, trusted
 from .named import Named
 
 FORMATS = ("auto", "deepspeed", "universal", "dcp", "torch")
@@ -135,29 +136,55 @@ def named_state(optimizers, model: Optional[nn.Module] = None,
 def read_torch(obj, param_names=None) -> Named:
     """A torch file (or the dict in it): the model's state dict and the optimizer state dicts beside it."""
     if not isinstance(obj, dict):
-        obj = torch.load(os.fspath(obj), map_location="cpu", weights_only=False)
+        obj = load(os.fspath(obj))
     sds = _optimizer_state_dicts(obj)
     if not sds:
         raise ValueError("ds_muon.convert: found no optimizer state dict (a dict with 'state' and 'param_groups') in "
-                         f"the source (top-level keys: {sorted(obj)[:8]})")
+                         f"the source (top-level keys: {sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__}"
+                         "); give a file saved with the optimizers' state_dict()")
     return Named(weights=dict(_model_state_dict(obj)), state=named_state(sds, param_names=param_names))
 
 
 def read_dcp(folder: str) -> Named:
-    """A DCP checkpoint, any world size: DCP's own ``dcp_to_torch_save``, then :func:`read_torch`."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """A DCP checkpoint, any world size: DCP's own ``dcp_to_torch_save`` (kept in memory), then :func:`read_torch`;
+    its ``.metadata`` and non-tensor items (which DCP unpickles fully) read as data only (:mod:`..integrations.safe_load`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(folder, path)
-        return read_torch(path)
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with open(path, "rb") as f:
+                metadata = loads_pickle(f.read(), os.fspath(path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value):
+            fqn = read_item.dest_index.fqn
+            obj = load(value, name=f"{folder} (item {fqn})")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    sd: Dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # as dcp_to_torch_save
+    return read_torch(sd)
 
 
-def read(src, source: str = "auto", param_names=None) -> Named:
-    """Any source format as :class:`Named`."""
+def read(src, source: str = "auto", param_names=None, trust_checkpoint: bool = False) -> Named:
+    """Any source format as :class:`Named`; every file read as data only unless ``trust_checkpoint``
+    (:mod:`ds_muon.integrations.safe_load`)."""
     if source not in FORMATS:
         raise ValueError(f"ds_muon.convert: source={source!r} is unknown; use one of {list(FORMATS)}")
     kind = detect_format(src) if source == "auto" else source
-    if kind == "torch":
-        return read_torch(src, param_names)
-    return {"deepspeed": read_deepspeed, "universal": read_universal_named, "dcp": read_dcp}[kind](os.fspath(src))
+    with trusted(trust_checkpoint):
+        if kind == "torch":
+            return read_torch(src, param_names)
+        return {"deepspeed": read_deepspeed, "universal": read_universal_named, "dcp": read_dcp}[kind](os.fspath(src))

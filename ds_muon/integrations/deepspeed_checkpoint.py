@@ -20,6 +20,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .safe_load import load
+
 CONVERT_HINT = ("convert it by tensor name with `ds-muon convert {src} OUT --model MODULE:FACTORY` (or "
                 "ds_muon.convert.convert) and load OUT with \"checkpoint\": {{\"load_universal\": true}} "
                 "(docs/CHECKPOINTS.md)")
@@ -94,7 +96,7 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
     path = _model_state_file(engine, load_dir, tag)
     if path is None:
         return  # DeepSpeed names the missing file
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    saved = load(path, mmap=True)
     theirs = _shape_lists(saved.get("param_shapes"))
     diff = first_difference(ours, theirs) if theirs else None
     if diff:
@@ -108,7 +110,7 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
 
 def universal_version(src: str):
     """The ``ds_version`` in a universal checkpoint's ``zero/optimizer_state.pt`` (None where it has none)."""
-    sd = torch.load(os.path.join(src, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    sd = load(os.path.join(src, "zero", "optimizer_state.pt"))
     return sd.get("ds_version")
 
 
@@ -128,7 +130,7 @@ def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights
             f = os.path.join(zero, name, "fp32.pt")
             if not os.path.isfile(f):
                 _refuse(src, f"param group {gi}: tensor {name} {list(shape)} has no {os.path.relpath(f, src)}")
-            saved = torch.load(f, map_location="cpu", weights_only=False, mmap=True)
+            saved = load(f, mmap=True)
             saved = saved["param"] if isinstance(saved, dict) else saved
             if tuple(saved.shape) != tuple(shape):
                 _refuse(src, f"param group {gi}: tensor {name} is {list(saved.shape)} there and {list(shape)} here")

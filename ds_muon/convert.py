@@ -58,5 +58,10 @@ def convert(src, dst: str, model: nn.Module, to: str = "universal", source: str 
         raise ValueError(f"ds_muon.convert: to={to!r} is unknown; use one of {list(TARGETS)}")
     config, settings = resolve_config(config, settings)
     _check_target(to, os.path.abspath(os.fspath(dst)))  # before anything is read
-    muon = build(model, read(src, source, param_names, trust_checkpoint=trust_checkpoint), settings, fresh=fresh)
+    try:
+        muon = build(model, read(src, source, param_names, trust_checkpoint=trust_checkpoint), settings, fresh=fresh)
+    except ValueError as e:  # every message names the source
+        if isinstance(src, (str, os.PathLike)) and e.args and os.fspath(src) not in str(e.args[0]):
+            e.args = (f"{e.args[0]} [source: {os.fspath(src)}]",) + e.args[1:]
+        raise
     return write(to, model, muon, dst, config, settings)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..integrations.safe_load import load, loads_pickle, trusted
+from ..integrations.safe_load import UnreadableCheckpoint, load, loads_pickle, trusted
 from .named import Named
 
 FORMATS = ("auto", "deepspeed", "universal", "dcp", "torch")
@@ -48,8 +48,16 @@ def _tag_folder(src: str) -> str:
     return src
 
 
+def _not_a(folder: str, what: str, has: str) -> ValueError:
+    return ValueError(f"ds_muon.convert: {folder} is no {what} (it has no {has}); give the folder of one, or pass the "
+                      "source= it is (ds-muon convert --source; auto tells them apart)")
+
+
 def read_universal_named(folder: str) -> Named:
     from ..integrations.deepspeed_universal import read_universal
+
+    if not os.path.isdir(os.path.join(folder, "zero")):
+        raise _not_a(folder, "DeepSpeed universal checkpoint", "zero/ folder")
 
     named = Named()
     for name, entries in read_universal(folder).items():
@@ -63,8 +71,12 @@ def read_deepspeed(folder: str) -> Named:
     """A ZeRO-1/2/3 checkpoint folder (one tag, or its root with ``latest``) by tensor name."""
     from ..integrations.deepspeed_universal import zero_to_universal
 
+    tag = _tag_folder(folder)
+    if not os.path.isdir(tag) or not any(f.endswith("_optim_states.pt") for f in os.listdir(tag)):
+        raise _not_a(folder, "DeepSpeed ZeRO checkpoint", "*_optim_states.pt files, nor a latest file naming a tag "
+                     "folder with them")
     with tempfile.TemporaryDirectory() as tmp:
-        return read_universal_named(zero_to_universal(_tag_folder(folder), os.path.join(tmp, "universal")))
+        return read_universal_named(zero_to_universal(tag, os.path.join(tmp, "universal")))
 
 
 def _is_optimizer_sd(v) -> bool:
@@ -136,6 +148,9 @@ def named_state(optimizers, model: Optional[nn.Module] = None,
 def read_torch(obj, param_names=None) -> Named:
     """A torch file (or the dict in it): the model's state dict and the optimizer state dicts beside it."""
     if not isinstance(obj, dict):
+        if os.path.isdir(obj):
+            raise ValueError(f"ds_muon.convert: {os.fspath(obj)} is a folder, not a torch file; give the file "
+                             "torch.save wrote, or pass the source= the folder is (--source; auto tells them apart)")
         obj = load(os.fspath(obj))
     sds = _optimizer_state_dicts(obj)
     if not sds:
@@ -173,8 +188,22 @@ def read_dcp(folder: str) -> Named:
             else:
                 self.state_dict[fqn] = obj
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        raise _not_a(folder, "DCP checkpoint", ".metadata")
+    Reader(folder).read_metadata()  # refused here, by name, rather than inside DCP's gathered exception
     sd: Dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # as dcp_to_torch_save
+    try:
+        _load_state_dict(sd, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # as dcp_to_torch_save
+    except CheckpointException as e:
+        causes = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        ours = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith("ds_muon")), None)
+        if ours is not None:
+            raise ours from None
+        why = " ".join(str(causes[0] if causes else e).split())[:160]
+        raise UnreadableCheckpoint(f"ds_muon: cannot read the DCP checkpoint {folder} ({why}); copy it again from "
+                                   "where it was saved (every .distcp file and .metadata)") from None
     return read_torch(sd)
 
 

@@ -111,7 +111,9 @@ def load(path, mmap: bool = False, trust=None, name=None):
         if "weights_only" in str(e) or "Weights only" in str(e):
             raise _untrusted(shown, e) from None
         raise _unreadable(shown, e) from None
-    except (RuntimeError, EOFError, ValueError) as e:
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except (RuntimeError, EOFError, ValueError, OSError) as e:  # (an empty file: OSError EINVAL from mmap)
         if mmap and isinstance(e, RuntimeError) and "mmap" in str(e):  # an old (non-zip) torch file: no mmap
             return load(path, mmap=False, trust=trust, name=name)
         raise _unreadable(shown, e) from None

@@ -35,6 +35,7 @@ from .engine.agreement.local_failure import LocalFailure
 from .engine.agreement.identity import next_ordinal
 from .engine.agreement.settings import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_edited_keys,
                                         check_given_keys, check_keyword_booleans, check_loaded_groups, check_settings,
+                                        check_variant_keys,
                                         drop_filled_defaults, dtype_name, loaded_group, validate_group)
 from .engine.agreement.state_check import check_loaded_state, check_state, check_state_listed
 from .engine.pickling import carried, check_not_carried, restored, upgrade_groups
@@ -191,6 +192,7 @@ class Muon(Optimizer):
                 group.pop(k, None)
         drop_filled_defaults(group, given)  # Muon-only defaults stay out of AdamW groups
         validate_group(group, len(self.param_groups) - 1)
+        check_variant_keys(group, len(self.param_groups) - 1, self.defaults, given)  # normuon_beta2 on variant="muon"
         if hasattr(self, "runtime"):
             self.invalidate_layouts()
 

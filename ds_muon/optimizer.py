@@ -185,6 +185,7 @@ class Muon(Optimizer):
             param_group.setdefault("eps", self.adam_eps)
         given = set(param_group)  # what the caller wrote; torch fills the defaults in next
         check_given_keys(param_group, len(self.param_groups), given)  # a key that would do nothing here
+        check_variant_keys(param_group, len(self.param_groups), self.defaults, given)  # normuon_beta2, variant="muon"
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for k in TORCH_ADDED_DEFAULTS:  # in defaults after a load (torch's __setstate__), no setting of ours
@@ -192,7 +193,6 @@ class Muon(Optimizer):
                 group.pop(k, None)
         drop_filled_defaults(group, given)  # Muon-only defaults stay out of AdamW groups
         validate_group(group, len(self.param_groups) - 1)
-        check_variant_keys(group, len(self.param_groups) - 1, self.defaults, given)  # normuon_beta2 on variant="muon"
         if hasattr(self, "runtime"):
             self.invalidate_layouts()
 

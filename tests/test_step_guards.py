@@ -69,7 +69,7 @@ def test_dtensor_gradient_placed_unlike_its_parameter():
 
 
 def _no_grad_worker(rank, world):
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(7, 9), nn.Linear(9, 5))  # shapes of its own: pooled ranks count Muons per shape
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model), log_summary=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import os
 import pickle
 import re
+import sys
 from typing import Iterator, List
 
 import torch
@@ -57,9 +59,15 @@ def _resolve(name: str):
         return None
 
 
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def allowed_globals() -> List[object]:
-    """The classes a weights-only load of DeepSpeed's and DCP's checkpoints needs beyond torch's defaults."""
-    return [g for g in map(_resolve, DEEPSPEED_GLOBALS + DCP_GLOBALS) if g is not None]
+    """The classes a weights-only load of DeepSpeed's and DCP's checkpoints needs beyond torch's defaults
+    (DeepSpeed's once it is imported, as every reader of its folders does: importing it costs seconds)."""
+    names = (DEEPSPEED_GLOBALS if "deepspeed" in sys.modules else ()) + DCP_GLOBALS
+    return [g for g in map(_resolve, names) if g is not None]
 
 
 def is_trusted() -> bool:
@@ -108,6 +116,11 @@ def load(path, mmap: bool = False, trust=None, name=None):
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
+        if _global_named(str(e)) in DEEPSPEED_GLOBALS and "deepspeed" not in sys.modules and _importable("deepspeed"):
+            importlib.import_module("deepspeed")  # an allowed class of DeepSpeed's, not imported yet: allow it
+            if hasattr(path, "seek"):
+                path.seek(0)
+            return load(path, mmap=mmap, trust=trust, name=name)
         if "weights_only" in str(e) or "Weights only" in str(e):
             raise _untrusted(shown, e) from None
         raise _unreadable(shown, e) from None
@@ -115,6 +128,8 @@ def load(path, mmap: bool = False, trust=None, name=None):
         raise
     except (RuntimeError, EOFError, ValueError, OSError) as e:  # (an empty file: OSError EINVAL from mmap)
         if mmap and isinstance(e, RuntimeError) and "mmap" in str(e):  # an old (non-zip) torch file: no mmap
+            if hasattr(path, "seek"):
+                path.seek(0)
             return load(path, mmap=False, trust=trust, name=name)
         raise _unreadable(shown, e) from None
 

@@ -333,7 +333,7 @@ def cmd_convert(args) -> int:
     from .conversion.arguments import load_factory, resolve_config, settings_from
     from .conversion.read import read
     from .conversion.regroup import build
-    from .conversion.write import _check_target, write
+    from .conversion.write import check_target, write
     from .setup.build import build_optimizer
 
     with _about("--set", " ".join(args.set or []), "give KEY=VALUE pairs of muon_param_groups / Muon settings"):
@@ -347,7 +347,7 @@ def cmd_convert(args) -> int:
             raise FileNotFoundError(2, "no such file or folder")
     with _about("DST", args.dst, "give a path in an existing, writable folder"):
         _writable_target(args.dst)
-        _check_target(args.to, os.path.abspath(args.dst))
+        check_target(args.to, os.path.abspath(args.dst))
     with _about("--model", None, "give MODULE:CALLABLE that builds the model on the CPU"):
         model = load_factory(args.model)
     flag = "--set" if args.set or args.config is None else "--config"

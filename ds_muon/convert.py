@@ -39,7 +39,7 @@ from .conversion.named import ADAMW_KEYS, MUON_KEYS, NORMUON_V, Named
 from .conversion.read import (FORMATS, detect_format, named_state, read, read_dcp, read_deepspeed, read_torch,
                               read_universal_named)
 from .conversion.regroup import build, load_named, load_state_from
-from .conversion.write import TARGETS, _check_target, write, write_dcp, write_torch, write_universal
+from .conversion.write import TARGETS, check_target, write, write_dcp, write_torch, write_universal
 
 __all__ = ["convert", "Named", "MUON_KEYS", "NORMUON_V", "ADAMW_KEYS", "FORMATS", "TARGETS", "detect_format", "read",
            "read_universal_named", "read_deepspeed", "read_torch", "read_dcp", "named_state", "load_named",
@@ -57,7 +57,7 @@ def convert(src, dst: str, model: nn.Module, to: str = "universal", source: str 
     if to not in TARGETS:
         raise ValueError(f"ds_muon.convert: to={to!r} is unknown; use one of {list(TARGETS)}")
     config, settings = resolve_config(config, settings)
-    _check_target(to, os.path.abspath(os.fspath(dst)))  # before anything is read
+    check_target(to, os.path.abspath(os.fspath(dst)))  # before anything is read
     try:
         muon = build(model, read(src, source, param_names, trust_checkpoint=trust_checkpoint), settings, fresh=fresh)
     except ValueError as e:  # every message names the source

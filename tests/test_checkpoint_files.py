@@ -26,7 +26,6 @@ pytest.importorskip("deepspeed")
 
 from ds_muon import convert as cv  # noqa: E402
 from ds_muon.cli import main  # noqa: E402
-from ds_muon.integrations.safe_load import UnreadableCheckpoint, UntrustedCheckpoint  # noqa: E402
 from ds_muon.setup.build import build_optimizer  # noqa: E402
 from test_deepspeed import ENV, PARAMS, TinyLM, batch, ds_config, make_model, train  # noqa: E402
 
@@ -71,6 +70,7 @@ def _zero_worker(rank, world, folder):
 def _hostile_resume_worker(rank, world, folder, marker):
     """Every rank: the planted model-states file is refused before DeepSpeed reads anything."""
     from ds_muon import deepspeed as ds_muon_deepspeed
+    from ds_muon.integrations.safe_load import UntrustedCheckpoint
 
     engine, _, _, _ = ds_muon_deepspeed.initialize(model=make_model(), config=ds_config(2))
     try:
@@ -144,6 +144,8 @@ def _one_line_naming(message, path):
 
 @pytest.mark.parametrize("fmt", ["torch", "universal", "deepspeed", "dcp"])
 def test_hostile_file_runs_nothing(fmt, good, tmp_path, capsys):
+    from ds_muon.integrations.safe_load import UntrustedCheckpoint
+
     marker = str(tmp_path / "marker")
     src, target = _planted(good, fmt, tmp_path, marker)
     dst = str(tmp_path / "out.pt")
@@ -174,6 +176,8 @@ def test_hostile_dcp_item_runs_nothing(good, tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from ds_muon.conversion.write import one_rank_group
+
+    from ds_muon.integrations.safe_load import UntrustedCheckpoint
 
     marker = str(tmp_path / "marker")
     with one_rank_group():
@@ -271,21 +275,25 @@ def test_bad_files_one_line_naming_the_file(good, tmp_path):
         for case in cases:
             by_kind.setdefault(" ".join(case[0].split()[:2]), []).append(case)
         cases = [rng.choice(group) for _, group in sorted(by_kind.items())]
-    seen = []
+    problems, kinds = [], set()
     for name, src, source, factory, named in cases:
-        for to in [rng.choice(("torch", "dcp", "universal"))]:
-            dst = str(tmp_path / ("out.pt" if to == "torch" else "out"))
-            try:
-                cv.convert(src, dst, factory(), to=to, source=source, settings=PARAMS)
-            except ValueError as e:
-                err = e
-            else:
-                raise AssertionError(f"{name} (to {to}) was converted")
-            message = str(err)
-            assert "\n" not in message, (name, message)
-            assert named in message, (name, message)
-            assert any(w in message.lower() for w in FIXES), (name, message)
-            assert not os.path.exists(dst), name
-            assert set(os.listdir(tmp_path)) == {n for n in os.listdir(tmp_path) if not n.startswith(".out")}, name
-            seen.append((name, type(err).__name__))
-    assert any(kind == UnreadableCheckpoint.__name__ for _, kind in seen)
+        to = rng.choice(("torch", "dcp", "universal"))
+        dst = str(tmp_path / ("out.pt" if to == "torch" else "out"))
+        try:
+            cv.convert(src, dst, factory(), to=to, source=source, settings=PARAMS)
+            problems.append((name, to, "converted"))
+            continue
+        except ValueError as e:
+            message, kinds = str(e), kinds | {type(e).__name__}
+        except BaseException as e:  # noqa: BLE001 - anything else (DCP's CheckpointException too) is a failure
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            problems.append((name, to, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"))
+            continue
+        if "\n" in message or named not in message or not any(w in message.lower() for w in FIXES):
+            problems.append((name, to, f"not one line naming the file with a fix: {message}"))
+        if os.path.exists(dst) or any(n.startswith(".out") for n in os.listdir(tmp_path)):
+            problems.append((name, to, "something was left at dst"))
+    print(f"bad files: {len(cases) - len({p[0] for p in problems})} of {len(cases)} hold")
+    assert not problems, "\n".join(map(str, problems[:10]))
+    assert "UnreadableCheckpoint" in kinds

@@ -126,7 +126,7 @@ def write_universal(model: nn.Module, muon: Muon, folder: str, config: Optional[
         return zero_to_universal(os.path.join(tmp, tag), folder)
 
 
-def _check_target(to: str, dst: str) -> None:
+def check_target(to: str, dst: str) -> None:
     """Before any work: ``dst`` can take what ``to`` writes (a file path for ``torch``; a new or empty folder, or
     a checkpoint of the same kind that it replaces, for ``dcp`` and ``universal``)."""
     if to == "torch":
@@ -167,8 +167,10 @@ def write(to: str, model: nn.Module, muon: Muon, dst: str, config: Optional[dict
     if to not in TARGETS:
         raise ValueError(f"ds_muon.convert: to={to!r} is unknown; use one of {list(TARGETS)}")
     dst = os.path.abspath(os.fspath(dst))
-    _check_target(to, dst)
+    check_target(to, dst)
     parent, name = os.path.split(dst)
+    if to != "torch":
+        os.makedirs(parent, exist_ok=True)  # (as DCP and DeepSpeed's savers make a checkpoint folder's parents)
     scratch = tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=parent)
     try:
         staged = os.path.join(scratch, name)  # the final name: DeepSpeed's tag and latest_universal are right

@@ -188,10 +188,13 @@ def test_hostile_dcp_item_runs_nothing(good, tmp_path):
     assert not os.path.exists(marker) and not os.path.exists(tmp_path / "out.pt")
 
 
-def test_hostile_resume_refused_on_every_rank(good, tmp_path):
+@pytest.mark.parametrize("planted", ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+def test_hostile_resume_refused_on_every_rank(planted, good, tmp_path):
+    """The model-states file (which ds_muon's check reads) and rank 1's optimizer states (which only DeepSpeed's
+    load would read, unpickling fully)."""
     marker = str(tmp_path / "marker")
     folder = _copy(os.path.dirname(good["deepspeed"]), tmp_path / "zero")
-    target = os.path.join(folder, "t", "mp_rank_00_model_states.pt")
+    target = os.path.join(folder, "t", planted)
     _plant_torch_file(target, marker)
     said = dist_harness.run(_hostile_resume_worker, 2, folder, marker, env=ENV, timeout=300)
     for message, ran in said:

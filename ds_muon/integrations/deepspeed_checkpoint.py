@@ -9,6 +9,8 @@ checkpoints, the saved param groups (ds_muon's record ``param_names``) and one f
 :func:`check_checkpoint` compares them with the engine's own and raises ``ValueError`` naming the first
 tensor that differs and the conversion to run.  Every rank reads the same files, so every rank raises,
 and it runs before DeepSpeed's ``load_checkpoint`` (which loads the module weights first) touches anything.
+DeepSpeed unpickles every file of the checkpoint fully; each is read weights-only here first
+(:mod:`.safe_load`), so one holding code is refused, naming it, before any of it runs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .safe_load import load
+from .safe_load import check_folder, load
 
 CONVERT_HINT = ("convert it by tensor name with `ds-muon convert {src} OUT --model MODULE:FACTORY` (or "
                 "ds_muon.convert.convert) and load OUT with \"checkpoint\": {{\"load_universal\": true}} "
@@ -89,6 +91,8 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
     if tag is None or not engine.zero_optimization():
         return
     src = os.path.join(load_dir, tag)
+    if os.path.isdir(src):
+        check_folder(src)  # DeepSpeed's load unpickles every file fully: each is read as data first (safe_load)
     ours = _shape_lists(engine._get_zero_param_shapes())
     if universal:
         return check_universal(src, muon, ours, load_module_only or not load_optimizer_states,

@@ -183,3 +183,29 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_a_write_that_fails_leaves_dst_as_it_was(to, sources, tmp_path, monkeypatch):
+    """The writer stops half way (it has written part of its output): the earlier checkpoint at dst is
+    untouched, bit for bit, and nothing is left beside it."""
+    import ds_muon.conversion.write as write
+
+    path, _ = sources(("torch",), "same")
+    dst = str(tmp_path / ("out.pt" if to == "torch" else "out"))
+    cv.convert(path, dst, make_model(), to=to, settings=PARAMS)
+    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(dst) for f in fs) if to == "dcp" else [dst]
+    before = {f: open(f, "rb").read() for f in files}
+
+    def half_way(model, muon, out):
+        os.makedirs(out) if to == "dcp" else None
+        with open(os.path.join(out, "part") if to == "dcp" else out, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(write, f"write_{to}", half_way)
+    with pytest.raises(OSError, match="No space left"):
+        cv.convert(path, dst, make_model(), to=to, settings=PARAMS)
+    after = sorted(os.path.join(r, f) for r, _, fs in os.walk(dst) for f in fs) if to == "dcp" else [dst]
+    assert after == files and all(open(f, "rb").read() == before[f] for f in files)
+    assert os.listdir(tmp_path) == [os.path.basename(dst)]

@@ -139,14 +139,17 @@ class _Restricted(pickle.Unpickler):
     :data:`DCP_GLOBALS`, nothing else (torch's weights-only unpickler stops at protocol 4's FRAME, which DCP's
     ``.metadata`` uses)."""
 
-    def find_class(self, module, name):
+    def __init__(self, file):
         from torch import _weights_only_unpickler
 
+        super().__init__(file)
+        self.allowed = dict(_weights_only_unpickler._get_allowed_globals())
+        self.allowed.update((n, g) for n, g in zip(DCP_GLOBALS, map(_resolve, DCP_GLOBALS)) if g is not None)
+
+    def find_class(self, module, name):
         full = f"{module}.{name}"
-        allowed = dict(_weights_only_unpickler._get_allowed_globals())
-        allowed.update((n, g) for n, g in zip(DCP_GLOBALS, map(_resolve, DCP_GLOBALS)) if g is not None)
-        if full in allowed:
-            return allowed[full]
+        if full in self.allowed:
+            return self.allowed[full]
         raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {full}")
 
 

@@ -262,6 +262,10 @@ def cmd_plan(args) -> int:
         if args.summary:
             print("--mesh takes the shapes of --preset/--hf-config/--shapes, not --summary", file=sys.stderr)
             return 2
+        if args.plot:  # a mesh is one point: nothing to draw against world size
+            print("--plot draws a sweep over --world-sizes; --mesh plans one mesh: drop --plot (or --mesh)",
+                  file=sys.stderr)
+            return 2
         shapes = _shapes_of(args)
         rows = mesh_table(shapes, args.mesh, cm, args.ns_steps)
         if args.json:
@@ -333,7 +337,7 @@ def cmd_convert(args) -> int:
     from .conversion.arguments import load_factory, resolve_config, settings_from
     from .conversion.read import read
     from .conversion.regroup import build
-    from .conversion.write import write
+    from .conversion.write import check_target, write
     from .setup.build import build_optimizer
 
     with _about("--set", " ".join(args.set or []), "give KEY=VALUE pairs of muon_param_groups / Muon settings"):
@@ -347,6 +351,7 @@ def cmd_convert(args) -> int:
             raise FileNotFoundError(2, "no such file or folder")
     with _about("DST", args.dst, "give a path in an existing, writable folder"):
         _writable_target(args.dst)
+        check_target(args.to, os.path.abspath(args.dst))
     with _about("--model", None, "give MODULE:CALLABLE that builds the model on the CPU"):
         model = load_factory(args.model)
     flag = "--set" if args.set or args.config is None else "--config"
@@ -354,7 +359,7 @@ def cmd_convert(args) -> int:
                 "give settings of muon_param_groups / Muon (lr=0.02 adam_lr=3e-4 ...; README.md lists them)"):
         build_optimizer(model, dict({"log_summary": False}, **(settings or {})))  # the groups, before any read
     with _about("SRC", args.src, f"give a checkpoint of --source {args.source} (docs/CHECKPOINTS.md lists them)"):
-        named = read(args.src, args.source)
+        named = read(args.src, args.source, trust_checkpoint=args.trust_checkpoint)
     with _about("SRC", args.src, "give the checkpoint of the model --model builds, with the settings of its "
                                  "groups in --set or --config (or --fresh)"):
         muon = build(model, named, settings, fresh=args.fresh)
@@ -419,6 +424,9 @@ def main(argv=None) -> int:
     c.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="muon_param_groups / Muon settings (lr=0.02 ...)")
     c.add_argument("--fresh", action="store_true",
                    help="start at zero the state of tensors the source stepped with the other algorithm")
+    c.add_argument("--trust-checkpoint", action="store_true",
+                   help="unpickle SRC's files fully (they may run code): only for a checkpoint you trust; by default "
+                        "every file is read as data (weights-only) and one holding anything else is refused")
     c.set_defaults(fn=cmd_convert)
     args = ap.parse_args(argv)
     try:

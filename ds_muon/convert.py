@@ -29,6 +29,7 @@ command's arguments), which ``ds-muon convert`` shares; this module is where use
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 from torch import nn
@@ -38,7 +39,7 @@ from .conversion.named import ADAMW_KEYS, MUON_KEYS, NORMUON_V, Named
 from .conversion.read import (FORMATS, detect_format, named_state, read, read_dcp, read_deepspeed, read_torch,
                               read_universal_named)
 from .conversion.regroup import build, load_named, load_state_from
-from .conversion.write import TARGETS, write, write_dcp, write_torch, write_universal
+from .conversion.write import TARGETS, check_target, write, write_dcp, write_torch, write_universal
 
 __all__ = ["convert", "Named", "MUON_KEYS", "NORMUON_V", "ADAMW_KEYS", "FORMATS", "TARGETS", "detect_format", "read",
            "read_universal_named", "read_deepspeed", "read_torch", "read_dcp", "named_state", "load_named",
@@ -48,11 +49,19 @@ __all__ = ["convert", "Named", "MUON_KEYS", "NORMUON_V", "ADAMW_KEYS", "FORMATS"
 
 def convert(src, dst: str, model: nn.Module, to: str = "universal", source: str = "auto",
             settings: Optional[Dict[str, Any]] = None, config: Optional[dict] = None, fresh: bool = False,
-            param_names=None) -> str:
+            param_names=None, trust_checkpoint: bool = False) -> str:
     """``src`` (any source format) → ``dst`` in ds_muon's groups for ``model``: ``to`` is ``"universal"``
-    (DeepSpeed, any ZeRO stage and world size), ``"dcp"`` (FSDP2, any world size) or ``"torch"`` (one file)."""
+    (DeepSpeed, any ZeRO stage and world size), ``"dcp"`` (FSDP2, any world size) or ``"torch"`` (one file).
+    Every file of ``src`` is read as data only (weights-only) unless ``trust_checkpoint``; nothing is written
+    at ``dst`` unless the whole conversion succeeds."""
     if to not in TARGETS:
         raise ValueError(f"ds_muon.convert: to={to!r} is unknown; use one of {list(TARGETS)}")
     config, settings = resolve_config(config, settings)
-    muon = build(model, read(src, source, param_names), settings, fresh=fresh)
+    check_target(to, os.path.abspath(os.fspath(dst)))  # before anything is read
+    try:
+        muon = build(model, read(src, source, param_names, trust_checkpoint=trust_checkpoint), settings, fresh=fresh)
+    except ValueError as e:  # every message names the source
+        if isinstance(src, (str, os.PathLike)) and e.args and os.fspath(src) not in str(e.args[0]):
+            e.args = (f"{e.args[0]} [source: {os.fspath(src)}]",) + e.args[1:]
+        raise
     return write(to, model, muon, dst, config, settings)

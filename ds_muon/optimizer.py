@@ -35,8 +35,8 @@ from .engine.agreement.local_failure import LocalFailure
 from .engine.agreement.identity import next_ordinal
 from .engine.agreement.settings import (TORCH_ADDED_DEFAULTS, as_dtype, check_boolean, check_edited_keys,
                                         check_given_keys, check_keyword_booleans, check_loaded_groups, check_settings,
-                                        drop_filled_defaults, loaded_group,
-                                        ns_dtype_name, validate_group)
+                                        check_variant_keys, drop_filled_defaults, loaded_group, ns_dtype_name,
+                                        validate_group)
 from .engine.agreement.state_check import check_loaded_state, check_state, check_state_listed
 from .engine.pickling import carried, check_not_carried, restored, upgrade_groups
 from .engine.exchange.all_to_all import Exchange
@@ -189,6 +189,7 @@ class Muon(Optimizer):
             param_group.setdefault("eps", self.adam_eps)
         given = set(param_group)  # what the caller wrote; torch fills the defaults in next
         check_given_keys(param_group, len(self.param_groups), given)  # a key that would do nothing here
+        check_variant_keys(param_group, len(self.param_groups), self.defaults, given)  # normuon_beta2, variant="muon"
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for k in TORCH_ADDED_DEFAULTS:  # in defaults after a load (torch's __setstate__), no setting of ours

@@ -90,8 +90,7 @@ class MuonOptimizers(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ds_muon.torchtitan: the container steps without a closure (torchtitan's never passes one)")
         for opt in self.optimizers:
-            _grads_placed_as_params(opt)
-            opt.step()
+            opt.step()  # (a DTensor gradient placed unlike its parameter: Muon redistributes it, fsdp2.place_grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -111,20 +110,6 @@ class MuonOptimizers(torch.optim.Optimizer):
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, opt in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=options)
-
-
-def _grads_placed_as_params(opt: Muon) -> None:
-    """A DTensor gradient laid out unlike its parameter, redistributed to the parameter's placements.
-
-    DTensor's backward of a row-wise (vocabulary-sharded) embedding, torchtitan's ``tok_embeddings``
-    plan, gives a ``Replicate`` gradient for a ``Shard(0)`` weight; ds_muon steps the local pieces and
-    needs the gradient's to match.  Slicing a replicated tensor is exact."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is not None and hasattr(g, "placements") and hasattr(p, "placements") and (
-                    tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh):
-                p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def build_optimizers(model_parts: List[nn.Module], optimizer_config: Optional[Any] = None, parallel_dims=None,

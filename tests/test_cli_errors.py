@@ -213,3 +213,11 @@ def test_the_console_script_prints_one_line(files, tmp_path):
                            timeout=120)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and named in p.stderr, p.stderr
+
+
+def test_plan_refuses_a_plot_of_one_mesh(tmp_path, capsys):
+    """``--mesh`` plans one mesh: ``--plot`` (a sweep over world sizes) is refused by name, not ignored."""
+    out = tmp_path / "plan.png"
+    rc, err = _run(["plan", "--preset", "gpt-125m", "--mesh", "replicate=2,shard=2", "--plot", str(out)], capsys)
+    assert rc == 2 and "--plot" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()

@@ -261,7 +261,8 @@ def test_bad_settings_name_group_and_key(key, value, match):
     group and the key, before anything changes."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 3, bias=False))
-    groups = [{"params": [model[0].weight]}, {"params": [model[1].weight], key: value}]
+    normuon = {"variant": "normuon"} if key == "normuon_beta2" else {}  # (beta2 on variant="muon": refused as such)
+    groups = [{"params": [model[0].weight]}, {"params": [model[1].weight], key: value, **normuon}]
     with pytest.raises(ValueError, match=match):
         ds_muon.Muon(groups)
     opt = ds_muon.Muon([{"params": [model[0].weight]}, {"params": [model[1].weight]}], variant="normuon")
@@ -568,7 +569,8 @@ def _team_worker(rank, world):
         local._ds_muon_flat = True
         adapter = HandAdapter(lambda p, name, context: ParamBinding(p, lambda t: t.reshape(-1),
                                                                     slots_in_range(offsets, lo, hi)))
-        opt = ds_muon.Muon([{"params": [local], key: mine}], adapter=adapter, **_opts(torch.float32))
+        variant = {"variant": "normuon"} if key == "normuon_beta2" else {}  # (beta2 is read by NorMuon alone)
+        opt = ds_muon.Muon([{"params": [local], key: mine, **variant}], adapter=adapter, **_opts(torch.float32))
         local.grad = torch.ones_like(local)
         before = local.detach().clone()
         try:

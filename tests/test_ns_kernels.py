@@ -184,6 +184,8 @@ def test_tall_last_step_into_transposed_view_keeps_the_bits(dtype):
     """``apply`` into a transposed view of a tall destination (``writes_tall``: the last NS step of a
     large tall stack, no transposing copy after) gives the bits of the contiguous product transposed,
     on 12 drawn large shapes (contiguous and transposed inputs, as step 1 reads)."""
+    if ns_kernels.family("cpu") not in ns_kernels.WRITES_TALL_FAMILIES:
+        pytest.skip(f"{ns_kernels.family('cpu')} copies a tall result instead (ns_kernels.WRITES_TALL_FAMILIES)")
     g = torch.Generator().manual_seed(5)
     with dist_harness.one_thread():
         for k in range(12):

@@ -36,12 +36,21 @@ KEYS = {
     "lr": (BOTH, 0.05, True), "weight_decay": (BOTH, 0.1, True), "eps": (BOTH, 0.5, True),
     "weight_decay_mode": (BOTH, "independent", False), "foreach": (BOTH, False, False),
 }
+# keys one Muon variant alone reads: on a Muon group of another variant they do nothing (a third kind of group)
+VARIANT_OF = {"normuon_beta2": "normuon"}
+OTHER_VARIANT = "muon of another variant"
 GROUP_DOORS = ("construct", "add_param_group", "load_state_dict", "edit", "muon_param_groups")
 SETTINGS_DOORS = ("json", "accelerate", "trainer")
 PG_NAMED = ("lr", "weight_decay", "head_names", "routers", "adam_lr", "adam_weight_decay")  # muon_param_groups' own
 
 
-def acts(key, use_muon):
+def kinds_of(key):
+    return (MUON, ADAMW) + ((OTHER_VARIANT,) if key in VARIANT_OF else ())
+
+
+def acts(key, use_muon, kind=None):
+    if kind == OTHER_VARIANT:
+        return False
     where = KEYS[key][0]
     return where == BOTH or where == (MUON if use_muon else ADAMW)
 
@@ -97,27 +106,30 @@ _FIXED = object()
 def group_door(key, kind, door, value=_FIXED):
     """'ok' when the case behaves, else what went wrong (never raises)."""
     value = KEYS[key][1] if value is _FIXED else value
-    gi = 0 if kind == MUON else 1
-    use_muon = kind == MUON
+    gi = 1 if kind == ADAMW else 0
+    use_muon = kind != ADAMW
+    foreign = not acts(key, use_muon, kind)
+    extra = {"variant": VARIANT_OF[key]} if kind == MUON and key in VARIANT_OF else {}  # the variant that reads it
     model = mlp()
     if door == "muon_param_groups":
         if not use_muon or key in PG_NAMED:
             return "n/a"  # its options go to the Muon group; its named keywords mean something else
-        build = lambda: ds_muon.Muon(ds_muon.muon_param_groups(model, **{key: value}), log_summary=False)  # noqa: E731
+        build = lambda: ds_muon.Muon(ds_muon.muon_param_groups(model, **{key: value}, **extra),  # noqa: E731
+                                     log_summary=False)
     elif door == "construct":
         def build():
             groups = ds_muon.muon_param_groups(model)
-            groups[gi][key] = value
+            groups[gi].update({key: value}, **extra)
             return ds_muon.Muon(groups, log_summary=False)
     elif door == "add_param_group":
         groups = ds_muon.muon_param_groups(model)
         opt0 = ds_muon.Muon([groups[1 - gi]], log_summary=False)
-        groups[gi][key] = value
+        groups[gi].update({key: value}, **extra)
 
         def build():
             opt0.add_param_group(groups[gi])
             return opt0
-        if not acts(key, use_muon):
+        if foreign:
             why = refused_by_name(build, 1, key)
             if why:
                 return why
@@ -127,26 +139,26 @@ def group_door(key, kind, door, value=_FIXED):
     elif door == "load_state_dict":
         _, src = trained()
         sd = src.state_dict()
-        sd["param_groups"][gi][key] = value
+        sd["param_groups"][gi].update({key: value}, **extra)
         model, opt = trained(1)
         before = snapshot(model, opt)
-        if not acts(key, use_muon):
+        if foreign:
             why = refused_by_name(lambda: opt.load_state_dict(sd), gi, key)
             return why or ("ok" if same(before, snapshot(model, opt)) else "refused but something changed")
         opt.load_state_dict(sd)
         return "ok" if opt.param_groups[gi][key] == value else f"lands as {opt.param_groups[gi].get(key)!r}"
     elif door == "edit":
         model, opt = trained()
-        opt.param_groups[gi][key] = value
+        opt.param_groups[gi].update({key: value}, **extra)
         backward(model, 2)
         before = snapshot(model, opt)
-        if not acts(key, use_muon):
+        if foreign:
             why = refused_by_name(opt.step, gi, key)
             return why or ("ok" if same(before, snapshot(model, opt)) else "refused but something changed")
         if key != "compile":  # (compiling NS here would only cost time)
             opt.step()
         return "ok" if opt.param_groups[gi][key] == value else "edited value lost"
-    if not acts(key, use_muon):
+    if foreign:
         return refused_by_name(build, gi, key) or "ok"
     opt = build()
     return "ok" if opt.param_groups[gi][key] == value else f"lands as {opt.param_groups[gi].get(key)!r}"
@@ -199,11 +211,12 @@ def make_trainer(tmp_path):
 
 
 def test_every_key_kind_and_door_is_accepted_where_it_acts_and_refused_by_name_elsewhere(tmp_path):
-    """The census: 23 keys x 2 kinds x 5 group doors (minus n/a) + 23 keys x 3 settings doors."""
+    """The census: 23 keys x 2 kinds (3 for a key one variant alone reads) x 5 group doors (minus n/a) + 23 keys
+    x 3 settings doors."""
     trainer = make_trainer(tmp_path)
     results = {}
     for key in KEYS:
-        for kind in (MUON, ADAMW):
+        for kind in kinds_of(key):
             for door in GROUP_DOORS:
                 try:
                     results[(key, kind, door)] = group_door(key, kind, door)
@@ -292,11 +305,11 @@ _DEFAULTS = dict(ds_muon.Muon([nn.Parameter(torch.zeros(2, 2))]).defaults, betas
 
 @settings(max_examples=int(os.environ.get("DS_MUON_SCOPE_EXAMPLES", 40)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), key=st.sampled_from(sorted(KEYS)), kind=st.sampled_from([MUON, ADAMW]),
-       door=st.sampled_from(GROUP_DOORS))
-def test_drawn_values_through_every_group_door(data, key, kind, door):
+@given(data=st.data(), key=st.sampled_from(sorted(KEYS)), door=st.sampled_from(GROUP_DOORS))
+def test_drawn_values_through_every_group_door(data, key, door):
     """(key, kind, door) drawn with a value drawn for the key (not the default, which changes nothing):
     accepted and kept where the key acts, refused by name elsewhere."""
+    kind = data.draw(st.sampled_from(kinds_of(key)), label="kind")
     value = data.draw(VALUES[key], label="value")
     assume(not (key in _DEFAULTS and value == _DEFAULTS[key]))
     verdict = group_door(key, kind, door, value)

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..integrations.safe_load import UnreadableCheckpoint, load, loads_pickle, trusted
 from .named import Named
 
 FORMATS = ("auto", "deepspeed", "universal", "dcp", "torch")
@@ -47,8 +48,16 @@ def _tag_folder(src: str) -> str:
     return src
 
 
+def _not_a(folder: str, what: str, has: str) -> ValueError:
+    return ValueError(f"ds_muon.convert: {folder} is no {what} (it has no {has}); give the folder of one, or pass the "
+                      "source= it is (ds-muon convert --source; auto tells them apart)")
+
+
 def read_universal_named(folder: str) -> Named:
     from ..integrations.deepspeed_universal import read_universal
+
+    if not os.path.isdir(os.path.join(folder, "zero")):
+        raise _not_a(folder, "DeepSpeed universal checkpoint", "zero/ folder")
 
     named = Named()
     for name, entries in read_universal(folder).items():
@@ -62,8 +71,12 @@ def read_deepspeed(folder: str) -> Named:
     """A ZeRO-1/2/3 checkpoint folder (one tag, or its root with ``latest``) by tensor name."""
     from ..integrations.deepspeed_universal import zero_to_universal
 
+    tag = _tag_folder(folder)
+    if not os.path.isdir(tag) or not any(f.endswith("_optim_states.pt") for f in os.listdir(tag)):
+        raise _not_a(folder, "DeepSpeed ZeRO checkpoint", "*_optim_states.pt files, nor a latest file naming a tag "
+                     "folder with them")
     with tempfile.TemporaryDirectory() as tmp:
-        return read_universal_named(zero_to_universal(_tag_folder(folder), os.path.join(tmp, "universal")))
+        return read_universal_named(zero_to_universal(tag, os.path.join(tmp, "universal")))
 
 
 def _is_optimizer_sd(v) -> bool:
@@ -135,29 +148,72 @@ def named_state(optimizers, model: Optional[nn.Module] = None,
 def read_torch(obj, param_names=None) -> Named:
     """A torch file (or the dict in it): the model's state dict and the optimizer state dicts beside it."""
     if not isinstance(obj, dict):
-        obj = torch.load(os.fspath(obj), map_location="cpu", weights_only=False)
+        if os.path.isdir(obj):
+            raise ValueError(f"ds_muon.convert: {os.fspath(obj)} is a folder, not a torch file; give the file "
+                             "torch.save wrote, or pass the source= the folder is (--source; auto tells them apart)")
+        obj = load(os.fspath(obj))
     sds = _optimizer_state_dicts(obj)
     if not sds:
         raise ValueError("ds_muon.convert: found no optimizer state dict (a dict with 'state' and 'param_groups') in "
-                         f"the source (top-level keys: {sorted(obj)[:8]})")
+                         f"the source (top-level keys: {sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__}"
+                         "); give a file saved with the optimizers' state_dict()")
     return Named(weights=dict(_model_state_dict(obj)), state=named_state(sds, param_names=param_names))
 
 
 def read_dcp(folder: str) -> Named:
-    """A DCP checkpoint, any world size: DCP's own ``dcp_to_torch_save``, then :func:`read_torch`."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """A DCP checkpoint, any world size: DCP's own ``dcp_to_torch_save`` (kept in memory), then :func:`read_torch`;
+    its ``.metadata`` and non-tensor items (which DCP unpickles fully) read as data only (:mod:`..integrations.safe_load`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(folder, path)
-        return read_torch(path)
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with open(path, "rb") as f:
+                metadata = loads_pickle(f.read(), os.fspath(path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value):
+            fqn = read_item.dest_index.fqn
+            obj = load(value, name=f"{folder} (item {fqn})")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        raise _not_a(folder, "DCP checkpoint", ".metadata")
+    Reader(folder).read_metadata()  # refused here, by name, rather than inside DCP's gathered exception
+    sd: Dict[str, Any] = {}
+    try:
+        _load_state_dict(sd, storage_reader=Reader(folder), planner=Planner(), no_dist=True)  # as dcp_to_torch_save
+    except CheckpointException as e:
+        causes = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        ours = next((c for c in causes if isinstance(c, ValueError) and str(c).startswith("ds_muon")), None)
+        if ours is not None:
+            raise ours from None
+        why = " ".join(str(causes[0] if causes else e).split())[:160]
+        raise UnreadableCheckpoint(f"ds_muon: cannot read the DCP checkpoint {folder} ({why}); copy it again from "
+                                   "where it was saved (every .distcp file and .metadata)") from None
+    return read_torch(sd)
 
 
-def read(src, source: str = "auto", param_names=None) -> Named:
-    """Any source format as :class:`Named`."""
+def read(src, source: str = "auto", param_names=None, trust_checkpoint: bool = False) -> Named:
+    """Any source format as :class:`Named`; every file read as data only unless ``trust_checkpoint``
+    (:mod:`ds_muon.integrations.safe_load`)."""
     if source not in FORMATS:
         raise ValueError(f"ds_muon.convert: source={source!r} is unknown; use one of {list(FORMATS)}")
     kind = detect_format(src) if source == "auto" else source
-    if kind == "torch":
-        return read_torch(src, param_names)
-    return {"deepspeed": read_deepspeed, "universal": read_universal_named, "dcp": read_dcp}[kind](os.fspath(src))
+    with trusted(trust_checkpoint):
+        if kind == "torch":
+            return read_torch(src, param_names)
+        return {"deepspeed": read_deepspeed, "universal": read_universal_named, "dcp": read_dcp}[kind](os.fspath(src))

@@ -15,6 +15,9 @@ from .named import ADAMW_KEYS, MUON_KEYS, NORMUON_V, Named
 from .read import named_state
 
 
+OTHER_MODEL = "give the model the checkpoint was saved from (--model)"
+
+
 def _as_tensor_like(value, like: torch.Tensor, name: str, key: str) -> torch.Tensor:
     t = torch.as_tensor(value)
     if key == "step":
@@ -26,7 +29,7 @@ def _as_tensor_like(value, like: torch.Tensor, name: str, key: str) -> torch.Ten
             t = t.view(like.shape)  # universal / flat fragments keep the element order
         else:
             raise ValueError(f"ds_muon.convert: {name} {key} has shape {list(t.shape)} in the source and the model's "
-                             f"tensor is {list(like.shape)}: the checkpoint is from another model")
+                             f"tensor is {list(like.shape)}: the checkpoint is from another model; {OTHER_MODEL}")
     return t.detach().to(device=like.device, dtype=like.dtype).clone()
 
 
@@ -81,6 +84,11 @@ def build(model: nn.Module, named: Named, settings: Optional[Dict[str, Any]] = N
     """The model (weights loaded from ``named`` where it has them) and a ``Muon`` holding ``named``'s state,
     built as a ``"type": "DsMuon"`` entry with ``settings`` as its ``params`` builds it (``lr``, ``adam_lr``,
     ``momentum``, ... : ``muon_param_groups`` and ``Muon`` keywords), so its groups are the engine's."""
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    unknown = sorted(set(named.state) - known)
+    if unknown:
+        raise ValueError(f"ds_muon.convert: the source holds optimizer state for {len(unknown)} tensor(s) the model "
+                         f"does not have ({unknown[:3]}): the checkpoint is from another model; {OTHER_MODEL}")
     if named.weights:
         _load_weights(model, named.weights)
     muon = build_optimizer(model, dict({"log_summary": False}, **(settings or {})))
@@ -93,10 +101,11 @@ def _load_weights(model: nn.Module, weights: Dict[str, torch.Tensor]) -> None:
     for name, p in params.items():
         if name in weights and tuple(weights[name].shape) != tuple(p.shape):
             raise ValueError(f"ds_muon.convert: {name} is {list(weights[name].shape)} in the source and "
-                             f"{list(p.shape)} in the model: the checkpoint is from another model")
+                             f"{list(p.shape)} in the model: the checkpoint is from another model; {OTHER_MODEL}")
     missing = sorted(set(params) - set(weights))
     if missing and any(n in weights for n in params):
-        raise ValueError(f"ds_muon.convert: the source has no weights for {missing[:5]} ({len(missing)} in all)")
+        raise ValueError(f"ds_muon.convert: the source has no weights for {missing[:5]} ({len(missing)} in all); "
+                         f"{OTHER_MODEL}")
     with torch.no_grad():
         for name, p in params.items():
             if name in weights:

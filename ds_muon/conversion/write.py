@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sys
 import tempfile
 from typing import Any, Dict, Optional
 
@@ -54,7 +56,13 @@ def one_rank_group():
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        ds_comm = sys.modules.get("deepspeed.comm.comm")
+        if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
+            # DeepSpeed's own destroy also drops the groups it cached (deepspeed.utils.groups): a second engine
+            # in this process would otherwise ask the destroyed group for its ranks ("is not registered")
+            ds_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
         for k, v in env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -101,8 +109,9 @@ def write_universal(model: nn.Module, muon: Muon, folder: str, config: Optional[
         for n, p in engine.module.named_parameters():
             use_muon, st = by_name[n]
             for k in (MUON_KEYS if use_muon else ADAMW_KEYS):
-                safe_set_full_optimizer_state(p, st[k], k)
-            if not use_muon:
+                if k in st:  # (a tensor started fresh has none: fill_state's zeros stay)
+                    safe_set_full_optimizer_state(p, st[k], k)
+            if not use_muon and "step" in st:
                 steps[n] = st["step"]
         if steps:
             first = next(iter(steps.values()))
@@ -117,13 +126,66 @@ def write_universal(model: nn.Module, muon: Muon, folder: str, config: Optional[
         return zero_to_universal(os.path.join(tmp, tag), folder)
 
 
+def check_target(to: str, dst: str) -> None:
+    """Before any work: ``dst`` can take what ``to`` writes (a file path for ``torch``; a new or empty folder, or
+    a checkpoint of the same kind that it replaces, for ``dcp`` and ``universal``)."""
+    if to == "torch":
+        if os.path.isdir(dst):
+            raise ValueError(f"ds_muon.convert: {dst} is a folder and to='torch' writes one file; give a file path")
+        return
+    if os.path.isfile(dst):
+        raise ValueError(f"ds_muon.convert: {dst} is a file and to={to!r} writes a folder; give a folder path")
+    marker = ".metadata" if to == "dcp" else "zero"
+    if os.path.isdir(dst) and os.listdir(dst) and not os.path.exists(os.path.join(dst, marker)):
+        raise ValueError(f"ds_muon.convert: {dst} is a folder holding other files, not a {to} checkpoint (no "
+                         f"{marker}) to replace; give a new or empty folder")
+
+
+def _move_into_place(staged: str, dst: str, scratch: str) -> None:
+    """``staged`` becomes ``dst`` by renames in one folder: a folder already at ``dst`` is moved aside (into
+    ``scratch``, removed with it) only once ``staged`` is whole, and put back if the last rename fails."""
+    if not os.path.isdir(staged):
+        os.replace(staged, dst)
+        return
+    aside = None
+    if os.path.lexists(dst):
+        aside = os.path.join(scratch, "replaced")
+        os.rename(dst, aside)
+    try:
+        os.rename(staged, dst)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, dst)
+        raise
+
+
 def write(to: str, model: nn.Module, muon: Muon, dst: str, config: Optional[dict] = None,
           settings: Optional[Dict[str, Any]] = None) -> str:
-    """Write ``muon`` (and ``model``'s weights) as ``to`` at ``dst``; returns what was written."""
-    if to == "torch":
-        return write_torch(model, muon, dst)
-    if to == "dcp":
-        return write_dcp(model, muon, dst)
-    if config is None:
-        config = {"optimizer": {"type": "DsMuon", "params": dict(settings or {})}}
-    return write_universal(model, muon, dst, config)
+    """Write ``muon`` (and ``model``'s weights) as ``to`` at ``dst``; returns what was written.  Everything is
+    written under a temporary name in ``dst``'s folder and renamed to ``dst`` once whole: a conversion that
+    fails leaves nothing at ``dst`` (and an earlier checkpoint there as it was)."""
+    if to not in TARGETS:
+        raise ValueError(f"ds_muon.convert: to={to!r} is unknown; use one of {list(TARGETS)}")
+    dst = os.path.abspath(os.fspath(dst))
+    check_target(to, dst)
+    parent, name = os.path.split(dst)
+    if to != "torch":
+        os.makedirs(parent, exist_ok=True)  # (as DCP and DeepSpeed's savers make a checkpoint folder's parents)
+    scratch = tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=parent)
+    try:
+        staged = os.path.join(scratch, name)  # the final name: DeepSpeed's tag and latest_universal are right
+        if to == "torch":
+            write_torch(model, muon, staged)
+        elif to == "dcp":
+            write_dcp(model, muon, staged)
+        else:
+            if config is None:
+                config = {"optimizer": {"type": "DsMuon", "params": dict(settings or {})}}
+            write_universal(model, muon, staged, config)
+        _move_into_place(staged, dst, scratch)
+        latest = os.path.join(scratch, "latest_universal")
+        if os.path.isfile(latest):
+            os.replace(latest, os.path.join(parent, "latest_universal"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return dst

@@ -92,6 +92,7 @@ class StepRuntime:
         self.moments_loaded: Optional[set] = None  # since a load: the layouts whose NorMuon v every rank agreed on
         self.summary_logged = False  # the first step's log line (see report.summary.log_first_step)
         self.summary_seen: Optional[tuple] = None  # (signatures, groups) log_first_step has seen (DeepSpeed)
+        self.warned_no_grads = False  # a step that found no gradient at all warns once (see check_gradients)
 
     # -- bindings, layouts and state (rebuilt when parameters change) -------------------------------
     def name(self, gi: int, pi: int) -> str:
@@ -225,6 +226,9 @@ class StepRuntime:
         (:class:`~ds_muon.engine.agreement.check.Agreement`).  Returns None when the step is skipped."""
         opt = self.opt
         items = [(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])]
+        place = getattr(opt.adapter, "place_grads", None)  # the stack's gradients laid out like their params
+        if place is not None:
+            place(items, self.name)
         group, world = self.step_group()
         verdict = self.agreement.check(items, self.name, group, world,
                                        settings_of(opt) if world > 1 else None, self.dispatch, failed)
@@ -240,7 +244,24 @@ class StepRuntime:
                 f"ds_muon: skipped step: non-finite gradient in {name} "
                 f"({opt.nonfinite_skips} step(s) skipped so far)", RuntimeWarning, stacklevel=4)
             return None
+        if not verdict.active and items:
+            self.warn_no_gradients(len(items), group, world)
         return verdict.active
+
+    def warn_no_gradients(self, count: int, group, world: int) -> None:
+        """Once, on the step group's rank 0: no tensor of this Muon had a gradient on any rank (the agreement's
+        all_reduce says so), so nothing trained.  A Muon built on tensors a stack replaced after (Fabric or
+        ``fully_shard`` sharding the model after the optimizer was built) steps nothing, silently, every step."""
+        if self.warned_no_grads:
+            return
+        self.warned_no_grads = True
+        if world > 1 and dist.get_rank(group) != 0:
+            return
+        warnings.warn(
+            f"ds_muon: a step found no gradient on any of this Muon's {count} tensor(s), so nothing was updated; the "
+            "tensors it holds are not the ones backward reached. Build the optimizer after the model is sharded "
+            "(fully_shard, Fabric's setup replace the parameters), on the model's own parameters, and call step() "
+            "after backward. (Warned once.)", RuntimeWarning, stacklevel=5)
 
     def active_matrices(self, active: set) -> List[Tuple[Layout, List[int]]]:
         """Stage 2: each layout (one per process group) with the indices of its matrices that step."""

@@ -78,6 +78,8 @@ class StackAdapter(Protocol):
     # Optional (read with getattr, so not part of the protocol's runtime check):
     # ``check_loaded(groups, state_dict, name, model)``: raise ValueError naming the tensor when a state dict
     # given to ``Muon.load_state_dict`` is one the stack's own save corrupted; called before anything loads.
+    # ``place_grads(items, name)``: lay each gradient out like its parameter (FSDP2 DTensors) or raise naming
+    # it; called at the start of every step, before the agreement reads the gradients.
 
 
 def single_process(group: Optional[dist.ProcessGroup]) -> bool:

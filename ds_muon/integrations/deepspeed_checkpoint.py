@@ -9,6 +9,8 @@ checkpoints, the saved param groups (ds_muon's record ``param_names``) and one f
 :func:`check_checkpoint` compares them with the engine's own and raises ``ValueError`` naming the first
 tensor that differs and the conversion to run.  Every rank reads the same files, so every rank raises,
 and it runs before DeepSpeed's ``load_checkpoint`` (which loads the module weights first) touches anything.
+DeepSpeed unpickles every file of the checkpoint fully; each is read weights-only here first
+(:mod:`.safe_load`), so one holding code is refused, naming it, before any of it runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from .safe_load import check_folder, load
 
 CONVERT_HINT = ("convert it by tensor name with `ds-muon convert {src} OUT --model MODULE:FACTORY` (or "
                 "ds_muon.convert.convert) and load OUT with \"checkpoint\": {{\"load_universal\": true}} "
@@ -87,6 +91,8 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
     if tag is None or not engine.zero_optimization():
         return
     src = os.path.join(load_dir, tag)
+    if os.path.isdir(src):
+        check_folder(src)  # DeepSpeed's load unpickles every file fully: each is read as data first (safe_load)
     ours = _shape_lists(engine._get_zero_param_shapes())
     if universal:
         return check_universal(src, muon, ours, load_module_only or not load_optimizer_states,
@@ -94,7 +100,7 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
     path = _model_state_file(engine, load_dir, tag)
     if path is None:
         return  # DeepSpeed names the missing file
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    saved = load(path, mmap=True)
     theirs = _shape_lists(saved.get("param_shapes"))
     diff = first_difference(ours, theirs) if theirs else None
     if diff:
@@ -108,7 +114,7 @@ def check_checkpoint(engine, muon, load_dir: str, tag=None, load_optimizer_state
 
 def universal_version(src: str):
     """The ``ds_version`` in a universal checkpoint's ``zero/optimizer_state.pt`` (None where it has none)."""
-    sd = torch.load(os.path.join(src, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    sd = load(os.path.join(src, "zero", "optimizer_state.pt"))
     return sd.get("ds_version")
 
 
@@ -128,7 +134,7 @@ def check_universal(src: str, muon, ours: List[List[Tuple[str, tuple]]], weights
             f = os.path.join(zero, name, "fp32.pt")
             if not os.path.isfile(f):
                 _refuse(src, f"param group {gi}: tensor {name} {list(shape)} has no {os.path.relpath(f, src)}")
-            saved = torch.load(f, map_location="cpu", weights_only=False, mmap=True)
+            saved = load(f, mmap=True)
             saved = saved["param"] if isinstance(saved, dict) else saved
             if tuple(saved.shape) != tuple(shape):
                 _refuse(src, f"param group {gi}: tensor {name} is {list(saved.shape)} there and {list(shape)} here")

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .safe_load import check_folder, load
+
 FP32 = "fp32"
 STEP = "step"
 
@@ -64,7 +66,7 @@ def load_moments(flats: List[torch.Tensor], state, checkpoint_folder: str) -> No
     for i, flat in enumerate(flats):
         f = os.path.join(checkpoint_folder, MOMENTS_DIR, f"group{i}.pt")
         if os.path.isfile(f):
-            state[flat][MOMENT] = torch.load(f, map_location="cpu", weights_only=True).to(flat.device, torch.float32)
+            state[flat][MOMENT] = load(f).to(flat.device, torch.float32)
 
 
 def _extract_zero12(ckpt, temp_dir: str, dp_index: int, output_folder: str) -> None:
@@ -87,7 +89,7 @@ def _extract_zero12(ckpt, temp_dir: str, dp_index: int, output_folder: str) -> N
 def _extract_zero3(optim_file: str, shapes: List[dict], temp_dir: str, dp_index: int, dp_degree: int,
                    output_folder: str) -> None:
     d2u = _ds()
-    sd = torch.load(optim_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    sd = load(optim_file)["optimizer_state_dict"]
     if dp_index == 0:
         _dump_moments(sd["optimizer_state_dict"]["state"].items(), output_folder)
     partitions = sd.get("ds_zero_partition_groups") or []
@@ -126,7 +128,7 @@ def _save_optimizer_state_stage3(optim_file: str, zero_dir: str) -> None:
     up at ZeRO-3 and drops it): without it a ZeRO-3 checkpoint did not load at ZeRO-1/2."""
     from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
 
-    sd = torch.load(optim_file, map_location="cpu", weights_only=False)
+    sd = load(optim_file)
     out = sd[OPTIMIZER_STATE_DICT]
     out[PARAM_GROUPS] = out[OPTIMIZER_STATE_DICT][PARAM_GROUPS]
     if not out.get(DS_VERSION) and sd.get(DS_VERSION):
@@ -138,9 +140,11 @@ def _save_optimizer_state_stage3(optim_file: str, zero_dir: str) -> None:
 def zero_to_universal(input_folder: str, output_folder: str) -> str:
     """DeepSpeed's ``ds_to_universal`` for a ZeRO-1/2/3 checkpoint folder (one tag), over every
     state key of every group; writes ``output_folder`` and ``latest_universal`` beside it (as DeepSpeed's
-    converter does) and returns ``output_folder``.  Load it with ``"checkpoint": {"load_universal": true}``
-    at any data-parallel world size."""
+    converter does) and returns ``output_folder``.
+    Load it with ``"checkpoint": {"load_universal": true}`` at any data-parallel world size.  DeepSpeed's
+    reader unpickles fully, so every file of ``input_folder`` is read weights-only first (:mod:`.safe_load`)."""
     d2u = _ds()
+    check_folder(input_folder)
     optim_files = d2u._get_optim_files(input_folder)
     zero3_files = d2u._filter_zero3_optim_files(optim_files)
     stage = d2u._get_zero_stage(zero3_files or optim_files)
@@ -156,7 +160,7 @@ def zero_to_universal(input_folder: str, output_folder: str) -> str:
                                       f"{ckpt.tp_degree}/{ckpt.pp_degree}; use DeepSpeed's ds_to_universal for it")
         for dp in range(ckpt.dp_degree):
             _extract_zero12(ckpt, temp_dir, dp, output_folder)
-        model_state = torch.load(ckpt.mp_rank_files[0], map_location="cpu", weights_only=False)
+        model_state = load(ckpt.mp_rank_files[0])
         shapes = {n: s for group in model_state["param_shapes"] for n, s in group.items()}
         _merge(temp_dir, zero_dir, shapes)
         d2u._save_optimizer_state(args, ckpt)
@@ -195,14 +199,14 @@ def read_universal(folder: str) -> Dict[str, Dict[str, torch.Tensor]]:
         out[name] = {}
         for f in sorted(os.listdir(path)):
             if f.endswith(".pt"):
-                v = torch.load(os.path.join(path, f), map_location="cpu", weights_only=False)
+                v = load(os.path.join(path, f))
                 out[name][f[:-3]] = v[PARAM] if isinstance(v, dict) else v
     return out
 
 
 def universal_groups(folder: str) -> List[dict]:
     """The param groups saved beside a universal checkpoint (``zero/optimizer_state.pt``)."""
-    sd = torch.load(os.path.join(folder, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    sd = load(os.path.join(folder, "zero", "optimizer_state.pt"))
     groups = sd.get("param_groups")
     if groups is None:  # ZeRO-3 keeps them one level down
         groups = sd.get("optimizer_state_dict", {}).get("param_groups", [])
@@ -223,7 +227,7 @@ def load_zero3_universal(zero3, checkpoint_folder: str) -> None:
         step: Optional[object] = None
         for key in keys:
             if key == STEP:
-                step = torch.load(os.path.join(zero_dir, names[0], "step.pt"), weights_only=False)
+                step = load(os.path.join(zero_dir, names[0], "step.pt"))
                 continue
             flat = torch.zeros_like(fp32_param)
             offset = 0

@@ -18,7 +18,7 @@ from ..engine.exchange.layout import ParamBinding, global_shape
 from ..engine.exchange.tag_keys import TENSOR_PARALLEL
 from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .fsdp1 import Fsdp1Adapter, is_flattened_by_fsdp1
-from .fsdp2 import Fsdp2Adapter, is_dtensor
+from .fsdp2 import Fsdp2Adapter, is_dtensor, place_grads
 from .local import LocalAdapter
 
 
@@ -39,6 +39,10 @@ class DefaultAdapter:
 
     def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
         return self._adapter_for(param, "a tensor").grad_final_at_hook(param, context)
+
+    def place_grads(self, items, name) -> None:
+        """DTensor gradients laid out like their parameters (:func:`~ds_muon.integrations.fsdp2.place_grads`)."""
+        place_grads(items, name)
 
     def check_loaded(self, groups, state_dict, name, model) -> None:
         """The stacks' refusals of a loaded state dict (FSDP1's: keys torch's CPU offload overwrote)."""

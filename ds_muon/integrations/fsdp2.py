@@ -54,6 +54,9 @@ class Fsdp2Adapter:
             self._meshes = (key, [meshes[r] for r in sorted(meshes)])
         return self._meshes[1]
 
+    def place_grads(self, items, name) -> None:
+        place_grads(items, name)
+
     def grad_final_at_hook(self, param: torch.Tensor, context: BindContext) -> bool:
         """For a parameter of a ``fully_shard`` unit of ``context.model``: FSDP2 calls the hook
         right after reduce-scattering it (a DTensor distributed by hand is reduced by nobody)."""
@@ -62,6 +65,26 @@ class Fsdp2Adapter:
         if self._units is None or self._units[0] != id(context.model) or id(param) not in self._units[1]:
             self._units = (id(context.model), _fully_sharded(context.model))  # rebuilt once a parameter is new
         return id(param) in self._units[1]
+
+
+def place_grads(items, name) -> None:
+    """Each DTensor gradient laid out like its parameter, before the step reads the local pieces: one placed
+    otherwise on the same mesh is redistributed (DTensor's backward of a row-wise embedding gives a
+    ``Replicate`` gradient for a ``Shard(0)`` weight; slicing a replicated tensor is exact), one on another
+    mesh or a plain tensor is refused naming the tensor.  ``items``: ``(gi, pi, param)``; ``name(gi, pi)``."""
+    for gi, pi, p in items:
+        g = p.grad
+        if g is None or not is_dtensor(p):
+            continue
+        if not is_dtensor(g):
+            raise ValueError(f"ds_muon: {name(gi, pi)} is a DTensor ({tuple(p.placements)}) and its gradient a plain "
+                             f"{type(g).__name__}; give it a DTensor gradient on the parameter's mesh (what "
+                             "backward through the sharded model gives)")
+        if g.device_mesh != p.device_mesh:
+            raise ValueError(f"ds_muon: the gradient of {name(gi, pi)} lives on another device mesh ({g.device_mesh}) "
+                             f"than the parameter ({p.device_mesh}); give it a gradient on the parameter's mesh")
+        if tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def _fully_sharded(model) -> set:

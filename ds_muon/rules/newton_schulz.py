@@ -215,7 +215,8 @@ def newton_schulz(
     ws = None if gram else _workspace(chunk, min(rows, cols), max(rows, cols), dtype, G.device)
     # the last step writes straight into the destination (a tall stack's through its transposed view,
     # where ns_kernels.writes_tall says that keeps the bits)
-    last = out_dtype == dtype and not gram and (rows <= cols or ns_kernels.writes_tall(cols, rows))
+    tall_in_place = rows > cols and ns_kernels.writes_tall(cols, rows, G.device.type)
+    last = out_dtype == dtype and not gram and (rows <= cols or tall_in_place)
     for k0 in range(0, len(G3), chunk):
         k1 = min(len(G3), k0 + chunk)
         dest = out3[k0:k1]

@@ -256,16 +256,24 @@ def apply(X: torch.Tensor, B: torch.Tensor, a: float, out: torch.Tensor, form: s
     return torch.baddbmm(X, B, X, beta=a, out=out)
 
 
-def writes_tall(m: int, n: int) -> bool:
+# Device families where ``addmm`` into a transposed ``out`` was seen to keep the bits of the contiguous
+# product transposed (see :func:`writes_tall`).  Not on the Intel AMX box: there fp32 results differed in
+# the last bits on 2 of 12 drawn large tall shapes (bf16: 0 of 12; torch 2.13), so it copies.
+WRITES_TALL_FAMILIES = ("cpu:AuthenticAMD:avx512",)
+
+
+def writes_tall(m: int, n: int, device_type: str = "cpu") -> bool:
     """Does a tall stack's last step write its result in the tall layout itself (``addmm`` per matrix
     into the transposed view of the destination) rather than wide and then copied transposed?
 
     The transposing copy is strided on one side: on the AMD EPYC it cost ~10 % of a 4×1536×512 bf16
     NS (benchmarks/ns_roofline.py), the products themselves no more than the copy they replace.
-    Bits: ``addmm`` into a transposed ``out`` computes the transposed product, the same products
-    summed in the same order on every large shape measured (bf16 and fp32, 175 shapes; small fp32
-    ones differed: 3 of 29), so only the large bucket does it (``tests/test_ns_kernels.py`` checks)."""
-    return size_bucket(m, n) == "large"
+    Bits: on that EPYC, ``addmm`` into a transposed ``out`` computed the transposed product, the same
+    products summed in the same order on every large shape measured (bf16 and fp32, 175 shapes; small
+    fp32 ones differed: 3 of 29), so only the large bucket does it, and only on the families listed in
+    :data:`WRITES_TALL_FAMILIES` (elsewhere the copy is the price of the bits; ``tests/test_ns_kernels.py``
+    checks whichever the machine it runs on does)."""
+    return size_bucket(m, n) == "large" and family(device_type) in WRITES_TALL_FAMILIES
 
 
 def forms_for(X: torch.Tensor, compiling: bool = False) -> Tuple[str, str, str]:

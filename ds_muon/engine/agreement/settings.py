@@ -113,6 +113,24 @@ def no_effect(group: dict, gi: int, key: str, how: str = "given") -> str:
             "for the groups where they act)")
 
 
+VARIANT_KEYS = {"normuon_beta2": "normuon"}  # Muon group keys that one variant alone reads
+
+
+def check_variant_keys(group: dict, gi: int, defaults: dict, given=(), how: str = "given") -> None:
+    """ValueError when a key only one variant reads (:data:`VARIANT_KEYS`) is on a Muon group of another
+    variant, given there (``given``) or set to a value other than the optimizer's default: it would do nothing.
+    (The default itself stays filled in, so a group switched to that variant later finds it.)"""
+    if group.get("use_muon", True) is not True:
+        return
+    variant = group.get("variant", defaults.get("variant"))
+    for key, needs in VARIANT_KEYS.items():
+        if key in group and variant != needs and (key in given or not (key in defaults
+                                                                          and _same(group[key], defaults[key]))):
+            raise ValueError(f"param_groups[{gi}] (Muon, variant={variant!r}): {key}={group[key]!r} is {how} but only "
+                             f"variant={needs!r} reads it; here it would do nothing: remove it, or set "
+                             f"variant={needs!r} on this group")
+
+
 def check_given_keys(group: dict, gi: int, given) -> None:
     """ValueError when a key ``given`` on the group (not a filled default) does nothing on its kind."""
     muon = group.get("use_muon", True)
@@ -137,6 +155,7 @@ def check_edited_keys(group: dict, gi: int, defaults: dict) -> None:
     for key in group:
         if not acts_on(key, muon) and not (key in defaults and _same(group[key], defaults[key])):
             raise ValueError(no_effect(group, gi, key, "set"))
+    check_variant_keys(group, gi, defaults, how="set")
 
 
 def _same(a, b) -> bool:
@@ -167,6 +186,10 @@ def loaded_group(saved: dict, gi: int, defaults: dict) -> dict:
     default in every group (all of them filled, so none was given: dropped).  Otherwise a key equal to the
     default is dropped (it changes nothing) and any other is refused, as at construction."""
     muon = bool(saved.get("use_muon", True))
+    try:
+        check_variant_keys(saved, gi, defaults, how="saved")
+    except ValueError as e:
+        raise ValueError(f"ds_muon: loaded {e}; nothing was loaded") from None
     foreign = [k for k in saved if not acts_on(k, muon)]
     if not foreign:
         return saved

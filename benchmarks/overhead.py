@@ -27,7 +27,7 @@ from common import fsdp2_gpt, header, table
 import dist_harness
 import ds_muon
 
-VARIANTS = (("adamw", None), ("ds_muon", torch.bfloat16), ("ds_muon", torch.float32),
+VARIANTS = (("adamw", None), ("ds_muon", "auto"), ("ds_muon", torch.bfloat16), ("ds_muon", torch.float32),
             ("ds_muon duplicated", torch.bfloat16), ("ds_muon overlap", torch.bfloat16))
 
 
@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
-    ap.add_argument("--variants", default="all", help="'all' or 'short' (AdamW and ds_muon bf16 only)")
+    ap.add_argument("--variants", default="all", help="'all' or 'short' (AdamW and ds_muon at its default, ns_dtype auto)")
     args = ap.parse_args()
     variants = VARIANTS if args.variants == "all" else VARIANTS[:2]
     header(f"Optimizer overhead, GPT d={args.d} x {args.layers} layers, FSDP2, 2 gloo ranks, 16 x 128 tokens per "

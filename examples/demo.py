@@ -62,7 +62,7 @@ def main():
     for name, r in results.items():
         print(f"{name:<10}{r['final_eval_loss']:>16.4f}{r['seconds']:>11.1f}s")
     steps = {name: median_step_seconds(os.path.join(args.out, f"fsdp2-{name}.jsonl")) for name in RUNS}
-    print(f"\nmedian step (from the metrics files): " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in steps.items())
+    print("\nmedian step (from the metrics files): " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in steps.items())
           + f"; ds_muon / AdamW {steps['ds_muon'] / steps['AdamW']:.2f}x")
     ratio = results["ds_muon"]["final_eval_loss"] / results["AdamW"]["final_eval_loss"]
     print(f"\nds_muon / AdamW eval loss: {ratio:.3f}; ds_muon's matrices were orthogonalized at home ranks "

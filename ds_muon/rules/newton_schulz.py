@@ -301,7 +301,7 @@ def _frobenius_norm(X: torch.Tensor, dim=(-2, -1)) -> torch.Tensor:
     torch's fp32 norm sums in fp32, 1e-5 off on a 256×1024 matrix, and that scale error
     was the whole of an fp32 iteration's error against float64 (6× above what the
     iteration itself rounds; ``benchmarks/ns_accuracy.py``).  bf16 keeps torch's own norm
-    (accumulated in fp32, rounded to bf16) so that the default iteration stays bitwise
+    (accumulated in fp32, rounded to bf16) so that the bf16 standard iteration stays bitwise
     torch.optim.Muon's."""
     wide = torch.float64 if X.dtype == torch.float32 else None
     return torch.linalg.vector_norm(X, dim=dim, keepdim=True, dtype=wide)

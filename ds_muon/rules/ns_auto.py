@@ -65,6 +65,10 @@ CPU_TABLE: Tuple[Tuple[FrozenSet[str], FrozenSet[str], str, FrozenSet[str], str]
     (frozenset({"avx512_bf16"}), frozenset(), "bfloat16", _GRAM_FP32,
      "avx512_bf16 dot products (AMD EPYC Zen 4, Intel Cooper Lake): the bf16 demo ran 1.09x AdamW on such an "
      "EPYC (issue 41); no fp16 matrix unit, so no bf16 Gram"),
+    (frozenset({"avx512f"}), frozenset({"avx512_bf16", "amx_bf16"}), "float32", _GRAM_FP32,
+     "AVX-512 without bf16 units (Intel Skylake/Cascade Lake/Ice Lake Xeons): bf16 products are converted to "
+     "fp32 and back, never faster than fp32; in the table rather than measured, so a cluster of such machines "
+     "cannot decide differently by timing noise"),
     (frozenset({"avx2"}), frozenset({"avx512f", "avx512_bf16", "amx_bf16"}), "float32", _GRAM_FP32,
      "AVX2 without AVX-512 or bf16 units (AMD EPYC Zen 2/3): bf16 baddbmm 1.5-1.7 GFLOP/s against fp32's 55, "
      "a Muon step 870 ms in bf16 against 34 ms in fp32 (issue 41)"),

@@ -200,6 +200,8 @@ def _trainer_strategy(kind: str):
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     if kind == "zero2":
         return ds_muon.lightning.DeepSpeedStrategy(stage=2)
+    if kind == "zero3":
+        return ds_muon.lightning.DeepSpeedStrategy(stage=3)
     if kind == "zero3_entry":
         cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                "optimizer": {"type": "DsMuon", "params": dict(SETTINGS, ns_dtype="float32", log_summary=False)}}

@@ -22,6 +22,7 @@ no DeepSpeed optimizer), so this class refuses it on every rank with that advice
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 import torch
@@ -35,6 +36,18 @@ from .setup.dsmuon_entry import take_dsmuon_entry
 from .unwrap import find_muon
 
 __all__ = ["MuonTrainer"]
+
+
+def _check_world(num_processes: int) -> None:
+    """The launcher's world is the Trainer's: on a machine without a GPU, accelerate joins the processes
+    only with ``use_cpu=True``; without it each runs alone (DDP averages nothing; DeepSpeed, which starts
+    its own process group, trains, and evaluation then fails in gloo's allgather)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and num_processes == 1 and no_gpu():
+        raise RuntimeError(
+            f"MuonTrainer: the launcher started {launched} processes but the Trainer runs each one alone: without a "
+            "GPU, accelerate joins them only with TrainingArguments(use_cpu=True); pass use_cpu=True "
+            "(e.g. use_cpu=not torch.cuda.is_available())")
 
 
 class _BindToEngine(TrainerCallback):
@@ -70,6 +83,7 @@ class MuonTrainer(Trainer):
     # -- set-up ---------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        _check_world(self.accelerator.num_processes)
         if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled and no_gpu():
             # accelerate dropped the FSDP plugin on CPU: run its FSDP2 path anyway (ds_muon.setup.accelerate_fsdp2)
             from accelerate.utils import FullyShardedDataParallelPlugin

@@ -101,6 +101,13 @@ class DeepSpeedStrategy(_TrainerDeepSpeed):
         engine, ds_optimizer, _, _ = _initialize(self, model, optimizer, lr_scheduler)
         return engine, ds_optimizer
 
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        """The loss once divided by ``accumulate_grad_batches``: Lightning's loop has divided it, so the engine
+        must not divide it by its ``gradient_accumulation_steps`` (the same number) again, as Lightning's own
+        strategy lets it (the Trainer's accumulation then averaged the micro-batches' gradients over m**2)."""
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
 
 class FabricDeepSpeedStrategy(_FabricDeepSpeed):
     """``lightning.fabric.strategies.DeepSpeedStrategy`` (same arguments) whose engine steps a bound ds_muon.Muon.

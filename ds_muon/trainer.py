@@ -127,6 +127,21 @@ class MuonTrainer(Trainer):
             if self.muon.adapter is None or getattr(self.muon.adapter, "engine", None) is not engine:
                 bind(engine, self.muon)
 
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        """The Trainer's loss; under DeepSpeed a tensor of its own, not the model output's.
+
+        The Trainer hands the loss to the engine with ``scale_wrt_gas=False`` (it has scaled it for
+        accumulation).  DeepSpeed 0.19's engine also hooks the forward's output tensors to divide their
+        gradient by ``gradient_accumulation_steps`` unless the engine's own hook on the loss has fired
+        first; on the output's own loss tensor (ZeRO-0, where no loss scaler makes a new one) the output
+        hook fired first and accumulation averaged over m**2.  A clone puts the engine's hook first."""
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        if not self.is_deepspeed_enabled:
+            return out
+        if isinstance(out, tuple):
+            return (out[0].clone(),) + tuple(out[1:])
+        return out.clone()
+
     # -- the evaluate() ordering trap -------------------------------------------------------------
     def evaluate(self, *args, **kwargs):
         if not self.is_in_train and self.optimizer is None and self.args.world_size > 1:

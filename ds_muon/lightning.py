@@ -129,3 +129,13 @@ class FabricDeepSpeedStrategy(_FabricDeepSpeed):
     def _initialize_engine(self, model, optimizer=None, scheduler=None):
         engine, ds_optimizer, _, ds_scheduler = _initialize(self, model, optimizer, scheduler)
         return engine, ds_optimizer, ds_scheduler
+
+    def optimizer_step(self, optimizer, **kwargs):
+        """Fabric steps the engine's optimizer, not the engine; at ZeRO-0 in fp32 that optimizer is the Muon
+        itself and the config's ``gradient_clipping`` lives in ``engine.step()``, so it was silently skipped.
+        Clip there as the engine does (ZeRO-1-3 and fp16/bf16 wrappers clip inside their own step)."""
+        engine = self._deepspeed_engine
+        if (engine is not None and optimizer is engine.optimizer and engine.gradient_clipping() > 0.0
+                and not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())):
+            engine.clip_fp32_gradients()
+        return super().optimizer_step(optimizer, **kwargs)

@@ -125,10 +125,17 @@ def _decoder_class():
     return LlamaDecoderLayer
 
 
-def make_model(seed: int, stage: str):
+def leaf_by_config(cell: "Cell") -> bool:
+    """``zero3`` cells with a DeepSpeed config of their own name the leaf modules there (the entry, Fabric's
+    strategy config, the Trainer's JSON); Lightning's ``DeepSpeedStrategy(stage=3)`` has none, so those cells
+    call ``deepspeed.utils.set_z3_leaf_modules`` on the model."""
+    return cell.stage == "zero3" and (cell.form == "entry" or cell.door in ("hf_trainer", "fabric"))
+
+
+def make_model(seed: int, cell: "Cell"):
     """The tiny Llama; at ``zero3`` its decoder layers are DeepSpeed ZeRO-3 leaf modules."""
     model = tiny_llama(seed)
-    if stage == "zero3":
+    if cell.stage == "zero3" and not leaf_by_config(cell):
         import deepspeed
 
         deepspeed.utils.set_z3_leaf_modules(model, [_decoder_class()])
@@ -189,9 +196,11 @@ def fsdp2_layers(model, mesh) -> None:
 
 def deepspeed_config(stage: str, entry: bool, micro_batch: int = 1, clip=None) -> dict:
     """The doors' DeepSpeed config (accumulation comes from the door: Lightning's accumulate_grad_batches,
-    the Trainer's "auto")."""
+    the Trainer's "auto"); at ``zero3`` with the decoder layers as leaf modules."""
     cfg = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": clip if clip is not None else 0.0,
            "zero_optimization": {"stage": int(stage[4])}}
+    if stage == "zero3":
+        cfg["zero_optimization"]["leaf_module"] = {"classes": [_decoder_class().__name__]}
     if entry:
         cfg["optimizer"] = {"type": "DsMuon", "params": dict(ENTRY_PARAMS)}
     return cfg
@@ -208,7 +217,7 @@ def _lightning_module(cell: Cell, seed: int):
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = make_model(seed, cell.stage)
+            self.net = make_model(seed, cell)
             self.val_losses = []
 
         def configure_model(self):
@@ -307,7 +316,7 @@ def _fabric_run(cell: Cell, seed: int, ckpt: str, part: str) -> dict:
 
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_fabric_strategy(cell))
     fabric.launch()
-    net = make_model(seed, cell.stage)
+    net = make_model(seed, cell)
     if cell.stage == "fsdp2":  # FSDP2 shards first: the Muon is built on the DTensor parameters
         model = fabric.setup_module(net)
         optimizer = fabric.setup_optimizers(ds_muon.Muon(ds_muon.muon_param_groups(model, **SETTINGS), **MUON_KW))
@@ -387,7 +396,7 @@ def _hf_trainer(cell: Cell, seed: int, out_dir: str, steps: int, save_steps: Opt
     world = args.world_size
     train = _same_batches_on_every_rank([micro_batch(s, j, m) for s in range(STEPS) for j in range(m)], world)
     evald = _same_batches_on_every_rank(EVAL, world) if ev else None
-    return Sequential(model=make_model(seed, cell.stage), args=args, train_dataset=train, eval_dataset=evald,
+    return Sequential(model=make_model(seed, cell), args=args, train_dataset=train, eval_dataset=evald,
                       muon_settings=dict(SETTINGS, **MUON_KW))
 
 
@@ -480,3 +489,27 @@ if __name__ == "__main__":  # python tests/door_matrix.py [substring ...]: the m
     for cell, held, detail in rows:
         print(f"{'held' if held else 'FAIL'}  {cell.name}  {detail}", flush=True)
     print(f"{sum(h for _, h, _ in rows)}/{len(rows)} held")
+
+
+# -- the docs' tables ----------------------------------------------------------------------------------
+NOTES = {_HOOKS: "hooks", _FSDP2_NORM: "fsdp2-norm", _DS_NORM: "ds-norm"}
+
+
+def docs_table(doors) -> str:
+    """The Markdown table docs/LIGHTNING.md and docs/TRAINER.md carry (test_door_matrix checks they do):
+    per door, stage and form, each variant's comparison with the one-process run."""
+    cells = set(all_cells())
+    lines = ["| door | stage | form | " + " | ".join(VARIANTS) + " |", "| --- " * (3 + len(VARIANTS)) + "|"]
+    for door in doors:
+        for stage in STAGES:
+            for form in forms(door, stage):
+                row = []
+                for variant in VARIANTS:
+                    cell = Cell(door, stage, form, variant)
+                    if cell not in cells:
+                        row.append("-")
+                        continue
+                    tol, why = expectation(cell)
+                    row.append("bitwise" if tol is None else f"<= {tol:g} ({NOTES[why]})")
+                lines.append(f"| {door} | {stage} | {form} | " + " | ".join(row) + " |")
+    return "\n".join(lines)

@@ -49,3 +49,12 @@ def test_doors_against_one_process(tmp_path):
     report = "\n".join(f"{'held' if held else 'FAIL'}  {cell.name}  {detail}" for cell, held, detail in rows)
     print(report)
     assert all(held for _, held, _ in rows), report
+
+
+def test_docs_tables_are_the_generated_ones():
+    """docs/LIGHTNING.md and docs/TRAINER.md carry the matrix's table as the generator states it (which cells
+    are bitwise, which within what and why): the table the full run checks."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for page, doors in (("LIGHTNING.md", ("lightning", "fabric")), ("TRAINER.md", ("hf_trainer",))):
+        text = open(os.path.join(repo, "docs", page)).read()
+        assert dm.docs_table(doors) in text, f"docs/{page}: paste door_matrix.docs_table({doors})"

@@ -436,12 +436,12 @@ def _worker(rank, world, cells, tmp):
 
 
 def run_cells(cells, tmp: str, timeout: float = 1800) -> Dict[Cell, list]:
-    """Every rank's result for each cell (one spawned pair of ranks per door)."""
+    """Every rank's result for each cell (one pair of pooled ranks, the cells of a door per call)."""
     results: Dict[Cell, list] = {}
     for door in DOORS:
         mine = [c for c in cells if c.door == door]
         if mine:
-            per_rank = dist_harness.run(_worker, 2, mine, tmp, timeout=timeout, env=ENV, fresh=True)
+            per_rank = dist_harness.run(_worker, 2, mine, tmp, timeout=timeout, env=ENV)
             for c in mine:
                 results[c] = [r[c] for r in per_rank]
     return results

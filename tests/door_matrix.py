@@ -386,7 +386,9 @@ def _hf_trainer(cell: Cell, seed: int, out_dir: str, steps: int, save_steps: Opt
         cfg = deepspeed_config(cell.stage, True, micro_batch=ROWS)
         cfg.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto", gradient_clipping="auto")
         stack = dict(deepspeed=cfg)
-    ev = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=ROWS) if cell.variant == "evaluation" else {}
+    ev = {}
+    if cell.variant == "evaluation":
+        ev = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=ROWS)
     save = dict(save_strategy="steps", save_steps=save_steps) if save_steps else dict(save_strategy="no")
     args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=ROWS,
                              gradient_accumulation_steps=m, max_grad_norm=CLIP if cell.variant == "clipping" else 0.0,
@@ -468,7 +470,8 @@ def judge(cell: Cell, per_rank: list, refs: Dict[tuple, dict]) -> tuple:
         if not evals[0] or any(e != evals[0] for e in evals):
             return False, f"evaluation did not run or differs between ranks: {evals}"
     held = bitwise if tol is None else worst <= tol
-    return held, ("bitwise" if bitwise else f"max relative {worst:.3g}") + ("" if tol is None else f" (<= {tol}: {why})")
+    detail = "bitwise" if bitwise else f"max relative {worst:.3g}"
+    return held, detail + ("" if tol is None else f" (<= {tol}: {why})")
 
 
 def references() -> Dict[tuple, dict]:

@@ -1,9 +1,10 @@
 """The door matrix (tests/door_matrix.py) against ds_muon in one process.
 
-CI runs a seeded sample (``DS_MUON_DOORS_SEED``, default 0; ``DS_MUON_DOORS_SAMPLE`` cells, default 10; about
-2 minutes on 2 cores) that always holds issue 44's cases: the Lightning Trainer at ZeRO-3 with the Muon from ``configure_optimizers``
-(the decoder layers as ZeRO-3 leaf modules: bitwise, straight and resumed; DeepSpeed's default hooks: within
-the stated tolerance) and docs/TRAINER.md's Trainer at ZeRO-3 with evaluation on.
+CI runs a seeded sample (``DS_MUON_DOORS_SEED``, default 0; ``DS_MUON_DOORS_SAMPLE`` cells, default 10;
+about 2 minutes on 2 cores) that always holds issue 44's cases: the Lightning Trainer at ZeRO-3 with the
+Muon from ``configure_optimizers`` (the decoder layers as ZeRO-3 leaf modules: bitwise, straight and
+resumed; DeepSpeed's default hooks: within the stated tolerance) and docs/TRAINER.md's Trainer at ZeRO-3
+with evaluation on.
 ``DS_MUON_FULL_DOORS=1`` runs every cell (118; about 6 minutes on 2 loaded cores).
 """
 

@@ -14,6 +14,10 @@ own strategies whose engine is built by :func:`ds_muon.deepspeed.initialize`: th
 ``configure_optimizers`` (or from a ``"type": "DsMuon"`` entry in the strategy's ``config``) is
 bound to the engine before anything steps or a checkpoint loads.
 
+Two more differences from Lightning's own strategies, each found against one process (tests/door_matrix.py):
+the Trainer's loss is divided once for accumulation (Lightning's divides it twice), and Fabric at ZeRO-0
+clips by the config's ``gradient_clipping`` (Lightning's skips it there).
+
 Lightning refuses DeepSpeed without CUDA; with DeepSpeed's CPU accelerator
 (``DS_ACCELERATOR=cpu``) these two run it on CPU/gloo, as ``ds_muon.deepspeed.initialize`` does.
 """

@@ -1,6 +1,6 @@
 """The door matrix (tests/door_matrix.py) against ds_muon in one process.
 
-CI runs a seeded sample (``DS_MUON_DOORS_SEED``, default 0; ``DS_MUON_DOORS_SAMPLE`` cells, default 10;
+CI runs a seeded sample (``DS_MUON_DOORS_SEED``, default 0; ``DS_MUON_DOORS_SAMPLE`` cells, default 16;
 about 2 minutes on 2 cores) that always holds issue 44's cases: the Lightning Trainer at ZeRO-3 with the
 Muon from ``configure_optimizers`` (the decoder layers as ZeRO-3 leaf modules: bitwise, straight and
 resumed; DeepSpeed's default hooks: within the stated tolerance) and docs/TRAINER.md's Trainer at ZeRO-3
@@ -28,7 +28,7 @@ MUST = (dm.Cell("lightning", "zero3", "optimizer", "plain"), dm.Cell("lightning"
 def chosen():
     if os.environ.get("DS_MUON_FULL_DOORS") == "1":
         return dm.all_cells()
-    return dm.sample(int(os.environ.get("DS_MUON_DOORS_SAMPLE", "10")), int(os.environ.get("DS_MUON_DOORS_SEED", "0")),
+    return dm.sample(int(os.environ.get("DS_MUON_DOORS_SAMPLE", "16")), int(os.environ.get("DS_MUON_DOORS_SEED", "0")),
                      must=MUST)
 
 

@@ -40,7 +40,7 @@ SETTINGS = dict(lr=0.02, adam_lr=3e-3)
 MUON_KW = dict(ns_dtype=torch.float32, log_summary=False)
 ENTRY_PARAMS = dict(SETTINGS, ns_dtype="float32", log_summary=False)
 
-DOORS = ("lightning", "fabric", "hf_trainer")
+DOORS = ("lightning", "fabric", "hf_trainer", "accelerate")
 STAGES = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "zero3_hooks")
 VARIANTS = ("plain", "accumulation", "clipping", "resume", "evaluation")
 
@@ -56,10 +56,17 @@ class Cell(NamedTuple):
         return "-".join(self)
 
 
+def stages(door: str) -> tuple:
+    """The stages a door documents (accelerate: the shipped launch configs, ZeRO-1 through zero1.json)."""
+    return tuple(s for s in STAGES if s != "zero0") if door == "accelerate" else STAGES
+
+
 def forms(door: str, stage: str) -> tuple:
     """The forms the door's docs show at this stage."""
     if door == "hf_trainer":
         return ("helper",)
+    if door == "accelerate":  # prepare(accelerator, model, **settings) or prepare(..., optimizer=Muon(...))
+        return ("helper", "optimizer")
     if door == "lightning" and stage.startswith("zero"):
         return ("optimizer", "entry")
     return ("optimizer",)
@@ -74,7 +81,7 @@ def variants(door: str, stage: str) -> tuple:
 
 
 def all_cells() -> List[Cell]:
-    return [Cell(d, s, f, v) for d in DOORS for s in STAGES for f in forms(d, s) for v in variants(d, s)]
+    return [Cell(d, s, f, v) for d in DOORS for s in stages(d) for f in forms(d, s) for v in variants(d, s)]
 
 
 # Cells not compared bitwise: (door or "*", stage, variant or "*") -> (relative tolerance, why).
@@ -129,7 +136,7 @@ def leaf_by_config(cell: "Cell") -> bool:
     """``zero3`` cells with a DeepSpeed config of their own name the leaf modules there (the entry, Fabric's
     strategy config, the Trainer's JSON); Lightning's ``DeepSpeedStrategy(stage=3)`` has none, so those cells
     call ``deepspeed.utils.set_z3_leaf_modules`` on the model."""
-    return cell.stage == "zero3" and (cell.form == "entry" or cell.door in ("hf_trainer", "fabric"))
+    return cell.stage == "zero3" and (cell.form == "entry" or cell.door in ("hf_trainer", "fabric", "accelerate"))
 
 
 def make_model(seed: int, cell: "Cell"):
@@ -423,17 +430,91 @@ def run_hf_trainer(cell: Cell, tmp: str) -> dict:
     return dict(weights=full_weights(trainer.model_wrapped), evals=evals)
 
 
-RUNNERS = {"lightning": run_lightning, "fabric": run_fabric, "hf_trainer": run_hf_trainer}
+# -- accelerate -----------------------------------------------------------------------------------
+LAUNCH = {"ddp": "ddp", "fsdp2": "fsdp2", "zero1": "deepspeed_zero1", "zero2": "deepspeed_zero2",
+          "zero3": "deepspeed_zero3", "zero3_hooks": "deepspeed_zero3"}
+
+
+def _accelerate_env(cell: Cell, tmp: str) -> dict:
+    """The environment ``accelerate launch --config_file configs/accelerate/<stage>.yaml`` gives a rank; under
+    DeepSpeed its JSON with this cell's micro-batch, accumulation, clipping (and ZeRO-3 leaf modules)."""
+    import json
+
+    from test_front_doors import launch_env
+
+    env = launch_env(LAUNCH[cell.stage])
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path:
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg.update(train_micro_batch_size_per_gpu=ROWS, gradient_accumulation_steps=MICRO if cell.variant ==
+                   "accumulation" else 1, gradient_clipping=CLIP if cell.variant == "clipping" else 0.0)
+        if cell.stage == "zero3":
+            cfg["zero_optimization"]["leaf_module"] = {"classes": [_decoder_class().__name__]}
+        if cell.form == "optimizer":  # a Muon of one's own: the config without the DsMuon entry (prepare refuses both)
+            del cfg["optimizer"]
+        env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = os.path.join(tmp, cell.name + ".json")
+        with open(env["ACCELERATE_DEEPSPEED_CONFIG_FILE"], "w") as f:
+            json.dump(cfg, f)
+    return env
+
+
+def _accelerate_run(cell: Cell, seed: int, ckpt: str, part: str) -> dict:
+    import ds_muon
+    from ds_muon.accelerate import Accelerator, prepare
+    from test_front_doors import _fresh_accelerate
+
+    m = MICRO if cell.variant == "accumulation" else 1
+    _fresh_accelerate(_accelerate_env(cell, os.path.dirname(ckpt)))
+    accelerator = Accelerator(gradient_accumulation_steps=m)
+    model = make_model(seed, cell)
+    if cell.form == "optimizer":
+        model, opt = prepare(accelerator, model, optimizer=ds_muon.Muon(ds_muon.muon_param_groups(model, **SETTINGS),
+                                                                       **MUON_KW))
+    else:
+        model, opt = prepare(accelerator, model, **SETTINGS, **MUON_KW)
+    if part == "second":
+        accelerator.load_state(ckpt)
+    evals = []
+    for s in range(STEPS // 2 if part == "second" else 0, STEPS // 2 if part == "first" else STEPS):
+        for j in range(m):
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_of(model, micro_batch(s, j, m)))
+                if cell.variant == "clipping" and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                opt.step()
+                opt.zero_grad()
+        if cell.variant == "evaluation" and s % 2 == 1:
+            with torch.no_grad():
+                losses = [accelerator.gather_for_metrics(loss_of(model, b).detach()[None]) for b in EVAL]
+            evals.append(float(torch.cat(losses).mean()))
+    if part == "first":
+        accelerator.save_state(ckpt)
+    accelerator.wait_for_everyone()
+    return dict(weights=full_weights(model), evals=evals)
+
+
+def run_accelerate(cell: Cell, tmp: str) -> dict:
+    ckpt = os.path.join(tmp, cell.name)
+    if cell.variant == "resume":
+        _accelerate_run(cell, 0, ckpt, "first")
+        return _accelerate_run(cell, 1, ckpt, "second")
+    return _accelerate_run(cell, 0, ckpt, "all")
+
+
+RUNNERS = {"lightning": run_lightning, "fabric": run_fabric, "hf_trainer": run_hf_trainer, "accelerate": run_accelerate}
 
 
 def _worker(rank, world, cells, tmp):
     """Every cell in turn in this pair of ranks; a failing cell's error is its result."""
     out = {}
     for cell in cells:
+        print(f"door_matrix: rank {rank} runs {cell.name}", flush=True)  # a hang names its cell
         try:
             out[cell] = RUNNERS[cell.door](cell, tmp)
         except Exception as e:  # noqa: BLE001 - recorded per cell, reported by the caller
             out[cell] = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-3000:])
+            print(f"door_matrix: rank {rank} {cell.name} failed:\n{out[cell]['trace']}", flush=True)
     return out
 
 

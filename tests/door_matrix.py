@@ -453,7 +453,8 @@ def _accelerate_env(cell: Cell, tmp: str) -> dict:
             cfg["zero_optimization"]["leaf_module"] = {"classes": [_decoder_class().__name__]}
         if cell.form == "optimizer":  # a Muon of one's own: the config without the DsMuon entry (prepare refuses both)
             del cfg["optimizer"]
-        env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = os.path.join(tmp, cell.name + ".json")
+        # one file per rank: a rank must not read the file while another rewrites it
+        env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = os.path.join(tmp, f"{cell.name}.rank{os.environ['RANK']}.json")
         with open(env["ACCELERATE_DEEPSPEED_CONFIG_FILE"], "w") as f:
             json.dump(cfg, f)
     return env

@@ -37,7 +37,7 @@ def test_matrix_is_generated():
     cells = dm.all_cells()
     assert len(set(cells)) == len(cells)
     for door in dm.DOORS:
-        assert {c.stage for c in cells if c.door == door} == set(dm.STAGES), door
+        assert {c.stage for c in cells if c.door == door} == set(dm.stages(door)), door
     assert {c.variant for c in cells if c.door != "fabric"} == set(dm.VARIANTS)
     assert {c.form for c in cells if c.door == "lightning"} == {"optimizer", "entry"}
     assert set(MUST) <= set(dm.sample(len(MUST), 1, must=MUST))
@@ -54,9 +54,10 @@ def test_doors_against_one_process(tmp_path):
 
 
 def test_docs_tables_are_the_generated_ones():
-    """docs/LIGHTNING.md and docs/TRAINER.md carry the matrix's table as the generator states it (which cells
+    """docs/LIGHTNING.md, docs/TRAINER.md and docs/ACCELERATE.md carry the matrix's table as the generator states it (which cells
     are bitwise, which within what and why): the table the full run checks."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for page, doors in (("LIGHTNING.md", ("lightning", "fabric")), ("TRAINER.md", ("hf_trainer",))):
+    for page, doors in (("LIGHTNING.md", ("lightning", "fabric")), ("TRAINER.md", ("hf_trainer",)),
+                        ("ACCELERATE.md", ("accelerate",))):
         text = open(os.path.join(repo, "docs", page)).read()
         assert dm.docs_table(doors) in text, f"docs/{page}: paste door_matrix.docs_table({doors})"

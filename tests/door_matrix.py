@@ -410,11 +410,10 @@ def _hf_trainer(cell: Cell, seed: int, out_dir: str, steps: int, save_steps: Opt
 
 
 def run_hf_trainer(cell: Cell, tmp: str) -> dict:
-    from accelerate.state import AcceleratorState, GradientState
+    from test_front_doors import _fresh_accelerate
 
-    def fresh():
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    def fresh():  # accelerate's singletons and its ACCELERATE_* environment (TrainingArguments(deepspeed=...)
+        _fresh_accelerate({})  # sets ACCELERATE_USE_DEEPSPEED and leaves it: the next cell would be DeepSpeed)
 
     out_dir = os.path.join(tmp, cell.name)
     fresh()

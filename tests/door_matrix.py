@@ -439,8 +439,9 @@ def _accelerate_env(cell: Cell, tmp: str) -> dict:
     DeepSpeed its JSON with this cell's micro-batch, accumulation, clipping (and ZeRO-3 leaf modules)."""
     import json
 
-    from test_front_doors import launch_env
+    from test_front_doors import _fresh_accelerate, launch_env
 
+    _fresh_accelerate({})  # accelerate's env builders start from os.environ: an earlier cell's ACCELERATE_* leaked
     env = launch_env(LAUNCH[cell.stage])
     path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if path:

@@ -14,6 +14,10 @@ own strategies whose engine is built by :func:`ds_muon.deepspeed.initialize`: th
 ``configure_optimizers`` (or from a ``"type": "DsMuon"`` entry in the strategy's ``config``) is
 bound to the engine before anything steps or a checkpoint loads.
 
+Two more differences from Lightning's own strategies, each found against one process (tests/door_matrix.py):
+the Trainer's loss is divided once for accumulation (Lightning's divides it twice), and Fabric at ZeRO-0
+clips by the config's ``gradient_clipping`` (Lightning's skips it there).
+
 Lightning refuses DeepSpeed without CUDA; with DeepSpeed's CPU accelerator
 (``DS_ACCELERATOR=cpu``) these two run it on CPU/gloo, as ``ds_muon.deepspeed.initialize`` does.
 """
@@ -101,6 +105,13 @@ class DeepSpeedStrategy(_TrainerDeepSpeed):
         engine, ds_optimizer, _, _ = _initialize(self, model, optimizer, lr_scheduler)
         return engine, ds_optimizer
 
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        """The loss once divided by ``accumulate_grad_batches``: Lightning's loop has divided it, so the engine
+        must not divide it by its ``gradient_accumulation_steps`` (the same number) again, as Lightning's own
+        strategy lets it (the Trainer's accumulation then averaged the micro-batches' gradients over m**2)."""
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
 
 class FabricDeepSpeedStrategy(_FabricDeepSpeed):
     """``lightning.fabric.strategies.DeepSpeedStrategy`` (same arguments) whose engine steps a bound ds_muon.Muon.
@@ -122,3 +133,13 @@ class FabricDeepSpeedStrategy(_FabricDeepSpeed):
     def _initialize_engine(self, model, optimizer=None, scheduler=None):
         engine, ds_optimizer, _, ds_scheduler = _initialize(self, model, optimizer, scheduler)
         return engine, ds_optimizer, ds_scheduler
+
+    def optimizer_step(self, optimizer, **kwargs):
+        """Fabric steps the engine's optimizer, not the engine; at ZeRO-0 in fp32 that optimizer is the Muon
+        itself and the config's ``gradient_clipping`` lives in ``engine.step()``, so it was silently skipped.
+        Clip there as the engine does (ZeRO-1-3 and fp16/bf16 wrappers clip inside their own step)."""
+        engine = self._deepspeed_engine
+        if (engine is not None and optimizer is engine.optimizer and engine.gradient_clipping() > 0.0
+                and not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())):
+            engine.clip_fp32_gradients()
+        return super().optimizer_step(optimizer, **kwargs)

@@ -22,6 +22,7 @@ no DeepSpeed optimizer), so this class refuses it on every rank with that advice
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 import torch
@@ -35,6 +36,18 @@ from .setup.dsmuon_entry import take_dsmuon_entry
 from .unwrap import find_muon
 
 __all__ = ["MuonTrainer"]
+
+
+def _check_world(num_processes: int) -> None:
+    """The launcher's world is the Trainer's: on a machine without a GPU, accelerate joins the processes
+    only with ``use_cpu=True``; without it each runs alone (DDP averages nothing; DeepSpeed, which starts
+    its own process group, trains, and evaluation then fails in gloo's allgather)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and num_processes == 1 and no_gpu():
+        raise RuntimeError(
+            f"MuonTrainer: the launcher started {launched} processes but the Trainer runs each one alone: without a "
+            "GPU, accelerate joins them only with TrainingArguments(use_cpu=True); pass use_cpu=True "
+            "(e.g. use_cpu=not torch.cuda.is_available())")
 
 
 class _BindToEngine(TrainerCallback):
@@ -70,6 +83,7 @@ class MuonTrainer(Trainer):
     # -- set-up ---------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        _check_world(self.accelerator.num_processes)
         if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled and no_gpu():
             # accelerate dropped the FSDP plugin on CPU: run its FSDP2 path anyway (ds_muon.setup.accelerate_fsdp2)
             from accelerate.utils import FullyShardedDataParallelPlugin
@@ -112,6 +126,21 @@ class MuonTrainer(Trainer):
                 raise RuntimeError("MuonTrainer: the DeepSpeed engine does not step this trainer's ds_muon.Muon")
             if self.muon.adapter is None or getattr(self.muon.adapter, "engine", None) is not engine:
                 bind(engine, self.muon)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        """The Trainer's loss; under DeepSpeed a tensor of its own, not the model output's.
+
+        The Trainer hands the loss to the engine with ``scale_wrt_gas=False`` (it has scaled it for
+        accumulation).  DeepSpeed 0.19's engine also hooks the forward's output tensors to divide their
+        gradient by ``gradient_accumulation_steps`` unless the engine's own hook on the loss has fired
+        first; on the output's own loss tensor (ZeRO-0, where no loss scaler makes a new one) the output
+        hook fired first and accumulation averaged over m**2.  A clone puts the engine's hook first."""
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        if not self.is_deepspeed_enabled:
+            return out
+        if isinstance(out, tuple):
+            return (out[0].clone(),) + tuple(out[1:])
+        return out.clone()
 
     # -- the evaluate() ordering trap -------------------------------------------------------------
     def evaluate(self, *args, **kwargs):

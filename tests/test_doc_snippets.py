@@ -80,14 +80,30 @@ def torchrun_snippets():
     return out
 
 
+# a page's stack table lines, added to its torchrun block's TrainingArguments(...) as the table says
+STACK_LINES = {"docs/TRAINER.md": ['deepspeed="configs/deepspeed/zero3.json"']}
+EVALUATES = {"docs/TRAINER.md"}  # blocks that evaluate during training: the log must show an eval_loss
+
+
+def with_stack(code: str, line: str) -> str:
+    assert code.count("TrainingArguments(") == 1, "the block builds TrainingArguments(...) once"
+    head, _, tail = code.rpartition("TrainingArguments(")
+    return f"{head}TrainingArguments({line}, {tail}"
+
+
 def test_torchrun_blocks_run_at_two_cpu_processes(tmp_path):
-    """docs/TRAINER.md's first block (TrainingArguments as written) under torchrun at W=2 on CPU: it failed
-    in gloo's allgather until the page gave use_cpu=... for machines without a GPU."""
+    """docs/TRAINER.md's first block (TrainingArguments as written, evaluation on) under torchrun at W=2 on CPU,
+    and with the table's ZeRO-3 line: it failed in gloo's allgather until the page gave use_cpu=... for
+    machines without a GPU (and MuonTrainer refuses the run without it)."""
     snippets = torchrun_snippets()
     assert snippets, "no ```python torchrun block: docs/TRAINER.md's first block should be one"
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k, (where, code) in enumerate(snippets):
+    runs = [(where, "as written", code) for where, code in snippets]
+    runs += [(where, line, with_stack(code, line)) for where, code in snippets
+             for line in STACK_LINES.get(where.split(":")[0], ())]
+    assert len(runs) > len(snippets), "docs/TRAINER.md's block also runs with its ZeRO-3 line"
+    for k, (where, how, code) in enumerate(runs):
         cwd = tmp_path / f"run{k}"
         cwd.mkdir()
         for name in ("configs", "examples"):
@@ -95,7 +111,9 @@ def test_torchrun_blocks_run_at_two_cpu_processes(tmp_path):
         (cwd / "snippet.py").write_text(code)
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                                "snippet.py"], cwd=cwd, env=env, capture_output=True, text=True, timeout=280)
-        assert proc.returncode == 0, f"{where} under torchrun --nproc_per_node 2:\n{proc.stderr[-4000:]}"
+        assert proc.returncode == 0, f"{where} ({how}) under torchrun --nproc_per_node 2:\n{proc.stderr[-4000:]}"
+        if where.split(":")[0] in EVALUATES:
+            assert "eval_loss" in proc.stdout + proc.stderr, f"{where} ({how}): no evaluation ran"
 
 
 # every multi-process launch line of a ```bash block -> the test (file::function[param]) that runs it

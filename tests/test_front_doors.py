@@ -349,3 +349,24 @@ def test_prepare_rejects_unknown_settings():
         split_settings({"lr": 0.02, "betas": (0.9, 0.95)})
     assert split_settings({"lr": 0.02, "adam_lr": 1e-3, "ns_dtype": torch.float32}) == (
         {"lr": 0.02, "adam_lr": 1e-3}, {"ns_dtype": torch.float32})
+
+
+def test_trainer_refuses_a_launch_it_would_run_alone(tmp_path, monkeypatch):
+    """torchrun's environment on a machine without a GPU and TrainingArguments without use_cpu: accelerate
+    runs each process alone (num_processes 1; with DeepSpeed training ran and evaluation failed in gloo's
+    allgather). MuonTrainer refuses when it is built, naming use_cpu=True; with use_cpu=True it is built."""
+    from accelerate.state import AcceleratorState
+    from transformers import TrainingArguments
+
+    from ds_muon.trainer import MuonTrainer
+
+    if torch.cuda.is_available():
+        pytest.skip("accelerate joins the processes on GPUs")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the launcher's world; no process group is started (rank 1 never runs)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=False)
+        with pytest.raises(RuntimeError, match=r"started 2 processes.*use_cpu=True"):
+            MuonTrainer(model=FAMILIES["llama"](), args=args, train_dataset=_Tokens(_rows(8, seed=5)))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -200,6 +200,8 @@ def _trainer_strategy(kind: str):
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     if kind == "zero2":
         return ds_muon.lightning.DeepSpeedStrategy(stage=2)
+    if kind == "zero3":
+        return ds_muon.lightning.DeepSpeedStrategy(stage=3)
     if kind == "zero3_entry":
         cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                "optimizer": {"type": "DsMuon", "params": dict(SETTINGS, ns_dtype="float32", log_summary=False)}}
@@ -285,7 +287,8 @@ def _worker(rank, world, fabric_kinds, trainer_kinds, tmp):
 FABRIC = tuple(k for k in os.environ.get("DS_MUON_LIGHTNING_FABRIC", "ddp,fsdp2,zero2").split(",") if k)
 TRAINER = tuple(k for k in os.environ.get("DS_MUON_LIGHTNING_TRAINER", "ddp,fsdp2,zero2,zero3_entry").split(",") if k)
 ADAPTERS = {"ddp": ("DefaultAdapter", "plain"), "fsdp2": ("DefaultAdapter", "dtensor"),
-            "zero2": ("DeepSpeedAdapter", "zero12"), "zero3_entry": ("DeepSpeedAdapter", "zero3")}
+            "zero2": ("DeepSpeedAdapter", "zero12"), "zero3": ("DeepSpeedAdapter", "zero3"),
+            "zero3_entry": ("DeepSpeedAdapter", "zero3")}
 
 
 @pytest.mark.timeout(600)  # 23 s with 2 cores to itself, 200 s measured on a shared box: 15 Lightning start-ups

@@ -18,7 +18,7 @@ from .engine.exchange.tag_keys import EXPERTS, is_tagged, shape_tags
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .models.experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
 from .models.fused import apply_fused_plan
-from .models.kinds import CONV, HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
+from .models.kinds import CONV, HIDDEN_MATRIX, ONE_MATRIX, RAW, Decision, Rules, classify, matches
 from .models.selection import HEAD_NAMES, split_params, stores_in_out
 from .models.tags import expert_weight, split_rows, transposed
 from .models.wrappers import unwrap_model
@@ -102,7 +102,8 @@ def muon_param_groups(
     adam = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
             and not decided[id(p)][1].muon]
     for name, p in muon:
-        if decided[id(p)][1].kind != CONV:  # a conv weight is one [out, in·k…] matrix
+        d = decided[id(p)][1]  # a conv weight is one [out, in·k…] matrix, and so is an N-D one an equation applies
+        if d.kind != CONV and not (d.plan is not None and d.plan.what == ONE_MATRIX):
             check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
     _warn_raw(decided, model)
     if not muon and not adam:

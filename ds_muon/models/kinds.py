@@ -38,6 +38,7 @@ from .experts import STACK_NAMES, is_fused_experts, is_router, mark_routers, sta
 from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
 from . import config as cfg
 from .adapters import base_layer_of, lora_factors, saved_copies
+from .equations import layout
 from .trace import Trace, Use, trace as trace_forward
 from .wrappers import unwrap_model
 
@@ -61,6 +62,7 @@ KINDS: Dict[str, str] = {  # kind -> default optimizer
 MUON_KINDS = frozenset(k for k, o in KINDS.items() if o == "Muon")
 
 HIDDEN_MATRIX = "hidden matrix"  # the reason of a Muon tensor (summary); details follow after ", "
+ONE_MATRIX = "one matrix"  # the plan of an N-D tensor an equation applies as one [shape[0], rest] matrix
 HEAD_NAMES: Tuple[str, ...] = ("lm_head", "head", "output", "classifier")
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 NORM_WORDS = ("norm", "Norm")
@@ -247,13 +249,13 @@ class Rules:
             # a conv reading the input is a stem (pixels, audio); a Linear reading a config-less model's
             # input may read features the user's pipeline made, and stays a hidden map
             return Decision(INPUT_LAYER, False, "input layer (reads the model's input: traced)", decided_by="trace")
-        named_head = module_name.rsplit(".", 1)[-1] in self.head_names
-        if use.head and (d.muon or d.kind == RAW) and (self.hf or use.pooled_input or named_head):
-            # without a config, a weight making the output is a head where it classifies pooled features or
-            # picked tokens (ResNet's fc, a ViT's head on x[:, 0]) or is named one; the last layer of a plain
-            # stack of layers stays a hidden map
+        if use.head and (d.muon or d.kind == RAW):
+            # the final output layer (Muon's own rule: input embedding and final layer on AdamW): the weight
+            # whose output reaches the model's output with no other weight after it, for every model
             return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} (its output is the model's output: traced)",
                             decided_by="trace")
+        if d.kind == RAW and (use.applied is not None or use.applied_unread):
+            return self._applied(use, shape)
         tagged = param is not None and any(getattr(param, a, None) for a in (EXPERTS, SPLIT_ROWS, BLOCKS,
                                                                              TENSOR_PARALLEL))
         if d.kind == RAW and use.ops & {"linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "grouped_mm"}:
@@ -290,6 +292,29 @@ class Rules:
             return traced
         kind = EXPERT if plan.experts else FUSED_BLOCK
         return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart (traced)", plan, decided_by="trace")
+
+    def _applied(self, use: Use, shape) -> Decision:
+        """A raw parameter applied through an equation (``einsum``, ``tensordot``, a reshaped view): Muon on
+        the ``[out, in]`` matrix the equation applies, per stack member (:mod:`ds_muon.models.equations`),
+        where the engine's ``[shape[0], rest]`` layout holds it; AdamW, saying why, where not."""
+        a = use.applied
+        if use.applied_unread or a is None:
+            return Decision(RAW, False, f"{RAW} ({use.applied_unread}: traced)", decided_by="trace")
+        lay = layout(a)
+        if lay is None:
+            return Decision(RAW, False, f"{RAW} ({a.equation!r} applies it as {a.describe(shape)}, which a "
+                                        f"{tuple(shape)} tensor held as [shape[0], rest] cannot be: traced)",
+                            decided_by="trace")
+        plan = None
+        if lay.experts or lay.transposed:
+            plan = FusedPlan({}, "experts" if lay.experts else ONE_MATRIX, transposed=lay.transposed,
+                             experts=lay.experts)
+        elif len(shape) > 2:
+            plan = FusedPlan({}, ONE_MATRIX)
+        stored = ", stored [in, out]" if lay.transposed else ""
+        return Decision(EXPERT if lay.experts else HIDDEN_LINEAR, True,
+                        f"{HIDDEN_MATRIX}, {a.describe(shape)} applied by {a.equation!r}{stored} (traced)", plan,
+                        decided_by="trace")
 
     def _traced_plan(self, use: Use, shape, stack: bool, module_name: str, pname: str) -> Optional[FusedPlan]:
         """The blocks the forward split the output into, as a :class:`FusedPlan` (rows of an ``[out, in]``

@@ -25,6 +25,7 @@ with ``error`` set and no uses: the caller falls back to the config/module rules
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -35,9 +36,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..engine.exchange.layout import global_shape
+from .equations import Applied, read as read_equation, tensordot_equation
 from .inputs import SEQ, default_inputs  # noqa: F401 - re-exported: the inputs one forward runs on
 
-MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "grouped_mm")
+MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "tensordot", "grouped_mm")
 COMPANION_CAP = 1 << 21  # elements of a companion tensor (int32): beyond, splits of that output are not read
 CONV_COMPANION_CAP = 1 << 16  # the same for conv outputs (feature maps: large, and rarely split)
 
@@ -55,6 +57,8 @@ class Use:
     pooled_input: bool = False  # its input was pooled or had tokens picked since the last weight (a classifier)
     features: int = 0  # output features of the matrix the forward applies
     blocks: Optional[List[List[int]]] = None  # the output features of each block, when the output is split
+    applied: Optional[Applied] = None  # the map an equation (einsum, tensordot, a reshaped view) applies with it
+    applied_unread: str = ""  # why such a use could not be read as one map (the equation, or two that differ)
 
     @property
     def matrix(self) -> bool:
@@ -293,7 +297,7 @@ class _Recorder(TorchFunctionMode):
         raw = any(i.raw for i in infos) and not weighted
         pooled = any(i.pooled for i in infos) or name in _POOLS or (
             name in ("__getitem__", "select") and first is not None and outs[0].ndim < first.ndim)
-        heads = _merge_heads([i.heads for i in infos])
+        heads = _merge_heads(infos)
         comps = [(a, i.comp) for a, i in zip(flat_in, infos) if i.comp is not None]
         comp_out: List[Optional[Tuple[str, torch.Tensor]]] = [None] * len(outs)
         if comps:
@@ -323,20 +327,8 @@ class _Recorder(TorchFunctionMode):
                 op, data, w, in_out, feat_axis = name, y, x, False, -2
         elif name in ("_grouped_mm", "grouped_mm"):
             op, data, w, in_out = "grouped_mm", a[0], a[1], True
-        elif name == "einsum":
-            ts = [t for t in tree_flatten(args[1:])[0] if isinstance(t, torch.Tensor)]
-            for t in ts:
-                if self.get(t).param:
-                    self.use(self.get(t).param).ops.add("einsum")
-            if any(self.get(t).param for t in ts):
-                o = out if isinstance(out, torch.Tensor) else None
-                infos = [self.get(t) for t in ts]
-                self.put(o, _Info(weighted=True))
-                for t, i in zip(ts, infos):
-                    if i.param and any(j.raw for j in infos):
-                        self.use(i.param).input_layer = True
-                return "einsum"
-            return None
+        elif name in ("einsum", "tensordot"):
+            return self._equation(name, args, kwargs, out)
         if op is None or not isinstance(w, torch.Tensor):
             return None
         wi, di = self.get(w), self.get(data)
@@ -345,6 +337,18 @@ class _Recorder(TorchFunctionMode):
         u = self.use(wi.param)
         u.ops.add(op)
         shape = self.shapes[wi.param]
+        if op in ("linear", "matmul", "mm", "addmm") and w.ndim == 2 and len(shape) != 2:
+            # a reshaped view applied as a matrix ([H, hd, D] as [H·hd, D]): which stored axes are in and out
+            if op == "linear" or in_out:  # x W^T, x W: the parameter is the second operand
+                eq, ranks, k = ("...i,oi->...o" if op == "linear" else "...i,io->...o"), [data.ndim, 2], 1
+            else:  # W x
+                eq, ranks, k = ("oi,i->o" if data.ndim == 1 else "oi,...in->...on"), [2, data.ndim], 0
+            self._read(u, eq, ranks, k, w, wi.param)
+            if di.raw:
+                u.input_layer = True
+            self.put(out if isinstance(out, torch.Tensor) else None,
+                     _Info(weighted=True, heads=frozenset({wi.param})))
+            return op
         stored = in_out ^ wi.transposed
         if op != "conv":
             u.stored_in_out = stored if u.stored_in_out is None else (u.stored_in_out if u.stored_in_out == stored
@@ -369,6 +373,44 @@ class _Recorder(TorchFunctionMode):
             comp = (wi.param, idx.view(sh).expand(tuple(o.shape)).contiguous())
         self.put(o, _Info(weighted=True, heads=frozenset({wi.param}), comp=comp))
         return op
+
+    def _equation(self, name, args, kwargs, out):
+        """``einsum``/``tensordot`` with a parameter: the map its equation applies (:mod:`.equations`)."""
+        if name == "einsum":
+            eq = args[0] if args and isinstance(args[0], str) else kwargs.get("equation")
+            ts = [t for t in tree_flatten((args[1:], kwargs.get("operands", ())))[0] if isinstance(t, torch.Tensor)]
+        else:
+            ts = [t for t in (list(args[:2]) + [kwargs.get("a"), kwargs.get("b")]) if isinstance(t, torch.Tensor)][:2]
+            dims = args[2] if len(args) > 2 else kwargs.get("dims", 2)
+            eq = tensordot_equation(ts[0].ndim, ts[1].ndim, dims) if len(ts) == 2 else None
+        infos = [self.get(t) for t in ts]
+        params = [k for k, i in enumerate(infos) if i.param]
+        if not params:
+            return None
+        for k in params:
+            u = self.use(infos[k].param)
+            u.ops.add(name)
+            self._read(u, eq, [t.ndim for t in ts], k, ts[k], infos[k].param)
+            others = [j for n, j in enumerate(infos) if n != k]
+            if any(j.raw for j in others) and not any(j.weighted for j in others):
+                u.input_layer = True
+            if any(j.pooled for j in others):
+                u.pooled_input = True
+        heads = frozenset({infos[params[0]].param}) if len(params) == 1 else frozenset()
+        self.put(out if isinstance(out, torch.Tensor) else None, _Info(weighted=True, heads=heads))
+        return name
+
+    def _read(self, u: Use, eq, ranks, k: int, t: torch.Tensor, pname: str) -> None:
+        """Record the map ``eq`` applies with operand ``k`` (``t``, a view of parameter ``pname``)."""
+        shape = self.shapes[pname]
+        spans = _spans(t, shape) if isinstance(eq, str) else None
+        a = read_equation(eq, ranks, k, spans, len(shape)) if spans is not None else None
+        if a is None:
+            u.applied_unread = u.applied_unread or f"{eq!r} does not apply it as a linear map of its input"
+        elif u.applied is not None and u.applied.roles != a.roles:
+            u.applied_unread = f"{u.applied.equation!r} and {eq!r} apply it as different maps"
+        elif u.applied is None:
+            u.applied = a
 
     def _follow(self, name, func, args, kwargs, flat_in, infos, comps, outs):
         """The companion of each output (None where the op mixes features or is not a rearrangement)."""
@@ -507,30 +549,72 @@ def _first_axis_index(args) -> bool:
     return isinstance(idx, (int, torch.Tensor))
 
 
-def _merge_heads(sets) -> frozenset:
-    nonempty = {s for s in sets if s}
-    return next(iter(nonempty)) if len(nonempty) == 1 else frozenset()
+def _spans(t: torch.Tensor, shape) -> Optional[List[Tuple[int, ...]]]:
+    """The axes of the contiguous stored ``shape`` that each axis of ``t`` spans, where ``t`` is a view of
+    it (reshaped, permuted: read from its strides); None where it is not (a slice, an expanded view)."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    if t.numel() != numel or t.layout != torch.strided:
+        return None
+    stored, st = [], 1
+    for n in reversed(shape):
+        stored.insert(0, (st, st * int(n)))
+        st *= int(n)
+    axes = sorted((int(s), int(n), k) for k, (n, s) in enumerate(zip(t.shape, t.stride())) if n > 1)
+    expect = 1
+    for s, n, _ in axes:
+        if s != expect:
+            return None
+        expect *= n
+    spans: List[Tuple[int, ...]] = [()] * t.ndim
+    for s, n, k in axes:
+        spans[k] = tuple(j for j, (lo, hi) in enumerate(stored) if hi > lo and lo < s * n and hi > s)
+    return spans
+
+
+def _merge_heads(infos) -> frozenset:
+    """The weight whose output this is: the one every weighted input comes from alone (a bias, a cast, a
+    constant keep it; a residual stream or another weight's output added to it mixes it away)."""
+    sets = {i.heads for i in infos if i.heads or i.weighted}
+    return next(iter(sets)) if len(sets) == 1 else frozenset()
+
+
+PREDICTIONS = ("logits", "prediction_logits", "logits_per_image", "sample", "pred", "prediction")
 
 
 def _outputs(out) -> List[torch.Tensor]:
-    """The tensors heads produce: a plain tensor output, the first tensor of a tuple, a model output's
-    ``logits``; none for feature maps (a dict of them, a ``last_hidden_state``)."""
+    """The tensors the model outputs, whatever holds them: a tensor; a tuple's or list's first item that
+    holds one; of a mapping or a dataclass (transformers' ``ModelOutput``, diffusers' ``BaseOutput``, any
+    ``@dataclass``) the prediction (``logits``, ``sample``, …) where it has one, else the first field of an
+    output class (``last_hidden_state``), else every tensor a plain dict holds (feature maps).  Caches,
+    hidden-state and attention tuples are never read (only top-level tensors count)."""
     if isinstance(out, torch.Tensor):
         return [out]
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        for k in ("logits", "prediction_logits", "logits_per_image"):
-            try:
-                v = out[k]
-            except (KeyError, TypeError, IndexError):
-                continue
-            if isinstance(v, torch.Tensor):
-                return [v]
+    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
+        return next((o for o in map(_outputs, out) if o), [])
+    items = None
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        items = [(f.name, getattr(out, f.name, None)) for f in dataclasses.fields(out)]
+    elif hasattr(out, "_fields"):  # a namedtuple
+        items = list(zip(out._fields, out))
+    elif hasattr(out, "keys"):
+        try:
+            items = [(k, out[k]) for k in out.keys()]
+        except (KeyError, TypeError, IndexError):
+            return []
+    if items is None:
         return []
-    if isinstance(out, (list, tuple)):
-        for v in out:
-            if isinstance(v, torch.Tensor):
+    tensors = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
+    for key in PREDICTIONS:
+        for k, v in tensors:
+            if k == key:
                 return [v]
-    return []
+    if not tensors:
+        return []
+    if dataclasses.is_dataclass(out) or hasattr(out, "to_tuple") or hasattr(out, "_fields"):
+        return [tensors[0][1]]  # an output class: its first field is the output
+    return [v for _, v in tensors]
 
 
 # -- the entry point --------------------------------------------------------------------------------

@@ -121,17 +121,20 @@ def muon_param_groups(
                    f"the {len(adam)} trainable tensors (embeddings, heads, norms) train with AdamW")
     why = {i: d.reason for i, (_, d) in decided.items()}
     kinds = {i: d.kind for i, (_, d) in decided.items()}
+    by = {i: d.decided_by for i, (_, d) in decided.items()}  # the evidence that decided (summary's "by")
     groups = []
     if muon:
         groups.append({"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
                        "param_tags": [shape_tags(p) for _, p in muon],  # restored if a stack swaps the tensors
                        "param_reasons": [why[id(p)] for _, p in muon],
                        "param_kinds": [kinds[id(p)] for _, p in muon],
+                       "param_evidence": [by[id(p)] for _, p in muon],
                        "lr": lr, "weight_decay": weight_decay, **muon_options})
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
                        "param_reasons": [why[id(p)] for _, p in adam],
-                       "param_kinds": [kinds[id(p)] for _, p in adam], "lr": adam_lr,
+                       "param_kinds": [kinds[id(p)] for _, p in adam],
+                       "param_evidence": [by[id(p)] for _, p in adam], "lr": adam_lr,
                        "weight_decay": adam_weight_decay})
     return groups
 
@@ -173,10 +176,11 @@ def _override(decided: Dict[int, Tuple[str, Decision]], exclude, include):
             raise ValueError(f"muon_param_groups: {name} matches both exclude={ex!r} and include={inc!r}")
         if ex:
             used.add(ex)
-            out[i] = (name, Decision(d.kind, False, f"exclude={ex!r} ({d.kind})"))
+            out[i] = (name, Decision(d.kind, False, f"exclude={ex!r} ({d.kind})", decided_by="exclude="))
         elif inc:
             used.add(inc)
-            out[i] = (name, Decision(d.kind, True, f"{HIDDEN_MATRIX}, include={inc!r} ({d.kind})", d.plan))
+            why = f"include={inc!r} ({d.kind})" if d.muon else f"include={inc!r} keeps this {d.kind} on Muon"
+            out[i] = (name, Decision(d.kind, True, f"{HIDDEN_MATRIX}, {why}", d.plan, decided_by="include="))
     unused = [p for p in exclude + include if p not in used]
     if unused:
         raise ValueError(f"muon_param_groups: {unused} match no trainable parameter; patterns are full names "

@@ -78,7 +78,8 @@ class Decision:
     muon: bool
     reason: str
     plan: Optional[FusedPlan] = None
-    decided_by: str = "config/module"  # "trace" (what the forward does), "config/module", or "name"
+    decided_by: str = "module type"  # the evidence: "trace" (what the forward does), "config" (the config and the
+    # model's own API for its ends), "module type", or "name" (the fallback)
 
 
 def is_conv1d_transformers(module: nn.Module) -> bool:
@@ -237,8 +238,10 @@ class Rules:
         ``F.multi_head_attention_forward`` hides its inner linears)."""
         if use is None:
             return d
+        if len(shape) < 2:
+            return d  # its shape decided
         traced = replace(d, decided_by="trace")
-        if len(shape) < 2 or d.kind in (VECTOR, DEPTHWISE, ROUTER):
+        if d.kind in (VECTOR, DEPTHWISE, ROUTER):
             return traced
         if "embedding" in use.ops and not use.matrix:
             return traced if d.kind == EMBEDDING else Decision(EMBEDDING, False, f"{EMBEDDING} (looked up: traced)",
@@ -363,32 +366,34 @@ class Rules:
             return Decision(VECTOR, False, f"{len(shape)}-D")
         mid = id(module)
         if mid in self.output_ids:
-            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD)
+            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="config")
         if mid in self.input_ids:
-            return Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())")
+            return Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())", decided_by="config")
         if self.names_rule and module_name.rsplit(".", 1)[-1] in self.head_names:
             return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="name")
         linear = is_linear(module) and pname == "weight"
         if linear or (isinstance(module, _ConvNd) and pname == "weight"):
             outs = int(module.nf if is_conv1d_transformers(module) else shape[0])
             if mid in self.head_region and (outs in self.labels or outs in self.vocab):
-                return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} ({outs} outputs: num_labels / vocab)")
+                return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} ({outs} outputs: num_labels / vocab)",
+                                decided_by="config")
         if is_router(module) or (isinstance(module, nn.Linear) and pname == "weight" and shape[0] in self.experts):
+            by = "module type" if is_router(module) else "config"
             if self.routers == "adamw":
-                return Decision(ROUTER, False, ROUTER)
-            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+                return Decision(ROUTER, False, ROUTER, decided_by=by)
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX, decided_by=by)
         if isinstance(module, nn.RNNBase) and pname.startswith("weight_"):
             return self._recurrent(module, pname, shape)
         plan = self._fused(module, pname, shape, param)
         if plan is not None:
             kind = EXPERT if plan.experts or plan.what == "experts" else FUSED_BLOCK
-            return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart", plan)
+            return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart", plan, decided_by="config")
         if is_fused_experts(module) and pname in STACK_NAMES:
             return Decision(EXPERT, True, HIDDEN_MATRIX)
         if linear:
             ins = int(shape[0] if is_conv1d_transformers(module) else shape[1])
             if ins in self.widths and ins <= 4:
-                return Decision(INPUT_LAYER, False, f"input layer (reads {ins} input channels)")
+                return Decision(INPUT_LAYER, False, f"input layer (reads {ins} input channels)", decided_by="config")
             if self.split_fused and not tagged and self.config is not None:
                 owner, cname = self.parent.get(mid, (None, ""))
                 what = (looks_fused(owner, module, self.config, cname) if owner is not None and _attention(owner)
@@ -403,7 +408,8 @@ class Rules:
             return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
         if isinstance(module, _ConvNd) and pname == "weight":
             if module.in_channels in self.widths and module.in_channels <= 4:
-                return Decision(INPUT_LAYER, False, f"input layer (reads {module.in_channels} input channels)")
+                return Decision(INPUT_LAYER, False, f"input layer (reads {module.in_channels} input channels)",
+                                decided_by="config")
             if is_depthwise(module):
                 return Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)")
             return Decision(CONV, True, f"{HIDDEN_MATRIX}, conv")

@@ -16,6 +16,11 @@ what the model says about itself, in this order:
    projections are split in blocks whose sizes the config gives (:mod:`ds_muon.models.fused`);
 4. names, only as a fallback: ``head_names`` for models without that API (or when given).
 
+The traced forward (:mod:`.trace`) refines it: lookups are embeddings, a conv reading the input is an input
+layer, the final output layer of every model takes AdamW, raw parameters applied as linear maps (per expert,
+or through an equation: :mod:`.equations`) take Muon, and the blocks a forward splits an output into are
+orthogonalized apart.  Each decision records its evidence (``decided_by``: trace, config, module type, name).
+
 Every path reads it: :func:`ds_muon.muon_param_groups` (plain models, FSDP2, ZeRO-3 ``zero.Init``
 through ``ds_shape``, accelerate and the Trainer, which call it) and the FSDP1 adapter, which asks
 :meth:`Rules.decide` about each original tensor of a flat parameter.

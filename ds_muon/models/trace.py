@@ -6,12 +6,15 @@ under a ``TorchFunctionMode`` that follows every tensor the forward makes.  For 
 records (:class:`Use`):
 
 * the ops that consume it: a linear map (``linear``, ``matmul``, ``bmm``, ``addmm``, ``baddbmm``, ``conv``,
-  ``einsum``, grouped mm over a 3-D expert stack, a gathered expert stack), a lookup (``embedding``), or
-  anything else (elementwise, gathered rows);
+  ``einsum``, ``tensordot``, grouped mm over a 3-D expert stack, a gathered expert stack), a lookup
+  (``embedding``), or anything else (elementwise, gathered rows);
 * how it is stored: ``[out, in]`` (``F.linear``) or ``[in, out]`` (``x @ W``), per expert for a 3-D stack;
+  for an equation (``einsum``, ``tensordot``, a linear map of a reshaped view) the role of each stored axis,
+  read from the equation and the view's strides (:mod:`.equations`);
 * whether its input is the model's input with no weight in between (an input layer: stems, patch
   embeddings) and whether its output reaches the model's output with no other weight and no mixing
-  with other tensors (a head);
+  with another weight's output after it (the final output layer; the output is read from any container,
+  :func:`_outputs`);
 * how its output is split: every ``chunk``/``split``/``unbind``/slice of its output (after any
   ``view``/``reshape``/``permute`` exposing a block axis) is replayed on a small integer *companion*
   tensor holding each element's output-feature index, so the blocks and their interleaving are exact
@@ -24,6 +27,7 @@ with ``error`` set and no uses: the caller falls back to the config/module rules
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -74,6 +78,19 @@ class Trace:
     error: str = ""
     ms: float = 0.0
     inputs: str = ""
+
+
+def all_nonzero():
+    """``nonzero`` (``torch.where(mask)``: MoE routing) on meta tensors answers as if every element were
+    nonzero, the trace's convention for data-dependent reads, where this torch has the switch."""
+    try:
+        from torch.fx.experimental import _config
+
+        if hasattr(_config, "meta_nonzero_assume_all_nonzero"):
+            return _config.patch(meta_nonzero_assume_all_nonzero=True)
+    except ImportError:
+        pass
+    return contextlib.nullcontext()
 
 
 def _to_meta(obj):
@@ -646,7 +663,7 @@ def trace(model: nn.Module, example_inputs=None) -> Trace:
                 rec.mark_input(t)
             elif isinstance(t, torch.Tensor):
                 rec.put(t, _Info())  # ids: rows are looked up, not read as features
-        with torch.no_grad(), rec:
+        with torch.no_grad(), all_nonzero(), rec:
             out = shadow(*args, **kwargs)
         uses = rec.finish(_outputs(out))
         alias = {}

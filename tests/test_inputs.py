@@ -68,6 +68,10 @@ def test_diffusers_unet2d_condition_traced_without_example_inputs():
                                           projection_class_embeddings_input_dim=8 * 6 + 24)
     t = _traced_whole(sdxl)
     assert "add_embedding.linear_1.weight" in t.uses
+    # a ControlNet's conditioning image: pixels of conditioning_channels, 8x the latent's side
+    kw.pop("up_block_types"), kw.pop("sample_size")
+    t = _traced_whole(diffusers.ControlNetModel(**kw, conditioning_embedding_out_channels=(8, 16, 32, 32)))
+    assert "controlnet_cond (1x3x128x128)" in t.inputs, t.inputs
 
 
 @pytest.mark.parametrize("name", ["DiTTransformer2DModel", "PixArtTransformer2DModel"])

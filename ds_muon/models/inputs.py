@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 SEQ = 8  # the default example sequence
 SPATIAL = 16  # the default side of an example image or latent (small: the trace's companions stay read)
-TRIES = 8  # forwards tried before falling back to the guess from the first registered module
+TRIES = 16  # forwards tried before falling back to the guess from the first registered module
 
 
 # -- transformers: the config says what the model reads ---------------------------------------------
@@ -56,8 +56,21 @@ def default_inputs(model: nn.Module):
             kwargs["decoder_input_ids"] = torch.zeros(1, SEQ, dtype=torch.long)
         if "use_cache" in params or "kwargs" in params:
             kwargs["use_cache"] = False
+        _required(model, kwargs)
         return (), kwargs, f"{main} from the config"
     return find_inputs(model)
+
+
+def _required(model, kwargs: Dict[str, Any]) -> None:
+    """Arguments the forward requires beside its main input (token ids a vision-language model also reads,
+    a mask, a time), by name as :func:`_by_name` reads them; left out where no name says what they are."""
+    for p in _signature(model):
+        if p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or \
+                p.name in kwargs:
+            continue
+        v = torch.zeros(1, SEQ, dtype=torch.long) if p.name in _IDS else _by_name(p.name, list(kwargs.items()), None)
+        if v is not _NOTHING:
+            kwargs[p.name] = v
 
 
 def _features(model, config) -> torch.Tensor:
@@ -202,6 +215,8 @@ def _candidate(model) -> Tuple[List[Tuple[str, Any]], Dict[str, Any]]:
             v = _added_cond(cfg)
         elif required and not data_done:  # an argument of any other name in first place: the data
             v, data_done = _data(model, cfg), True
+        elif required:
+            v = _by_name(n, pos, ctx, cfg)
         if v is _NOTHING:
             if required:
                 pos.append((n, None))
@@ -214,6 +229,26 @@ def _candidate(model) -> Tuple[List[Tuple[str, Any]], Dict[str, Any]]:
 
 
 _NOTHING = object()
+
+
+def _by_name(n: str, pos, ctx, cfg=None) -> Any:
+    """A required argument of a name no table holds, read as a person would: a mask (of the context's
+    length), a time or scale, a size or crop pair, else a tensor like the data (a control image, image
+    latents: the consumers then correct it)."""
+    low = n.lower()
+    if "mask" in low:
+        return torch.ones(1, SEQ, dtype=torch.bool)
+    if "time" in low or low in ("fps", "scale", "r", "t_r") or low.endswith(("_t", "_r")):
+        return torch.ones(1)
+    if low.endswith(("_size", "_coords", "_crop")):
+        return torch.full((1, 2), float(SPATIAL))
+    data = next((v for _, v in pos if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    cc = _int((cfg or {}).get("conditioning_channels"))
+    if "cond" in low and cc and data is not None and data.ndim >= 3:  # a ControlNet's image: pixels, 8x the latent
+        return torch.zeros(1, cc, *[8 * d for d in data.shape[2:]])
+    if ("cond" in low or "latent" in low or "embed" in low or "image" in low) and data is not None:
+        return torch.zeros_like(data)
+    return _NOTHING
 
 
 def _added_cond(cfg: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -255,12 +290,13 @@ class _Consumers(TorchFunctionMode):
         name = _name(func)
         if name in _SCALARS and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
             return _fake_scalar(name, args[0])
+        self.same = None
         try:
             src = self._consumer(name, args, kwargs)
         except Exception:  # noqa: BLE001 - watching never breaks the forward
             src = None
         out = func(*args, **kwargs)  # after the consumer is noted: a consumer fed the wrong input raises
-        if src is not None and name in _PASS and isinstance(out, torch.Tensor):
+        if src is not None and isinstance(out, torch.Tensor) and (self.same is None or tuple(out.shape) == self.same):
             self.alias[id(out)] = src
             self.keep.append(out)
         return out
@@ -278,14 +314,32 @@ class _Consumers(TorchFunctionMode):
         if src in self.seen:
             return None
         w = next((a for a in flat if id(a) in self.params), None)
-        if w is None:
-            return None
-        groups = int(args[6] if len(args) > 6 else kwargs.get("groups", 1)) if name.startswith("conv") else 1
         op = ("embedding" if name in ("embedding", "embedding_bag") else
               "conv" if name.startswith("conv") and "transpose" not in name else
-              "linear" if name in ("linear", "matmul", "__matmul__", "mm", "addmm", "bmm") else name)
+              "linear" if name in ("linear", "matmul", "__matmul__", "mm", "addmm", "bmm") else None)
+        if op is None:  # a norm, an activation, a scale (the shape kept): the input passes on to its consumer
+            self.same = tuple(flat[0].shape) if len(set(mine)) == 1 and len(flat) - len(mine) <= 2 else None
+            return src if self.same is not None else None
+        if w is None:
+            return None
+        groups = int(args[6] if len(args) > 6 else kwargs.get("groups", 1)) if op == "conv" else 1
         self.seen[src] = (op, tuple(w.shape), groups)
         return None
+
+
+def _all_nonzero():
+    """``nonzero`` on meta tensors answers as if every element were nonzero (the trace's convention for
+    data-dependent reads: routing masks select every token), where this torch has the switch."""
+    import contextlib
+
+    try:
+        from torch.fx.experimental import _config
+
+        if hasattr(_config, "meta_nonzero_assume_all_nonzero"):
+            return _config.patch(meta_nonzero_assume_all_nonzero=True)
+    except ImportError:
+        pass
+    return contextlib.nullcontext()
 
 
 def _try(shadow: nn.Module, pos, kw):
@@ -298,7 +352,7 @@ def _try(shadow: nn.Module, pos, kw):
              if isinstance(t, torch.Tensor)}
     mode = _Consumers(names, {id(p) for p in shadow.parameters()})
     try:
-        with torch.no_grad(), mode:
+        with torch.no_grad(), _all_nonzero(), mode:
             shadow(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the next candidate follows what the layers wanted
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", mode.seen
@@ -314,10 +368,12 @@ def _follow(value, seen) -> Any:
         if value.is_floating_point():
             return torch.zeros(*(value.shape[:2] if value.ndim == 3 else value.shape[:1] + (SEQ,)), dtype=torch.long)
         return None
-    if op == "linear" and len(shape) == 2:
+    if op == "linear" and len(shape) == 2 and value.ndim >= 2:
         width = shape[1]
         if value.is_floating_point() and value.ndim >= 2 and value.shape[-1] == width:
             return None
+        if value.is_floating_point() and 2 <= value.ndim <= 3:
+            return torch.zeros(*value.shape[:-1], width)
         return torch.zeros(1, SEQ, width)
     if op == "conv" and len(shape) >= 3:
         ch, rank = shape[1] * groups, len(shape) - 2
@@ -330,8 +386,9 @@ def _follow(value, seen) -> Any:
 
 def find_inputs(model: nn.Module):
     """``(args, kwargs, description)``: the first candidate from the forward's signature, each failed forward
-    followed by the inputs its consumers wanted (:func:`_follow`), at most :data:`TRIES` forwards on one meta
-    copy; when none runs, the guess from the first registered module (:func:`_guess`)."""
+    followed by the inputs its consumers wanted (:func:`_follow`); when that changes nothing, the data with
+    one more axis (video latents: frames after or before the channels).  At most :data:`TRIES` forwards on
+    one meta copy; when none runs, the guess from the first registered module (:func:`_guess`)."""
     from .trace import meta_copy
 
     try:
@@ -346,24 +403,85 @@ def find_inputs(model: nn.Module):
             raise LookupError(f"no example for the forward's {', '.join(missing)}: pass example_inputs=") from None
     shadow = meta_copy(model)
     shadow.eval()
-    last = ""
-    for k in range(TRIES):
-        err, seen = _try(shadow, pos, kw)
-        if not err:
-            return tuple(v for _, v in pos), kw, _describe(pos, kw, k + 1)
-        last = err
-        changed = False
-        for i, (n, v) in enumerate(pos):
-            new = _follow(v, seen.get(n))
-            if new is not None:
-                pos[i], changed = (n, new), True
-        for n, v in list(kw.items()):
-            new = _follow(v, seen.get(n))
-            if new is not None:
-                kw[n], changed = new, True
-        if not changed:
-            break
+    queue = [(pos, kw)] + _wider(pos, kw) + _masked(model, pos, kw) + _config_sized(model, pos, kw)
+    last, tries = "", 0
+    while queue and tries < TRIES:
+        pos, kw = queue.pop(0)
+        pos, kw = list(pos), dict(kw)
+        while tries < TRIES:
+            tries += 1
+            err, seen = _try(shadow, pos, kw)
+            if not err:
+                return tuple(v for _, v in pos), kw, _describe(pos, kw, tries)
+            last = last or err
+            changed = False
+            for i, (n, v) in enumerate(pos):
+                new = _follow(v, seen.get(n))
+                if new is not None:
+                    pos[i], changed = (n, new), True
+            for n, v in list(kw.items()):
+                new = _follow(v, seen.get(n))
+                if new is not None:
+                    kw[n], changed = new, True
+            if not changed:
+                break
     return _fallback(model, last)
+
+
+def _wider(pos, kw) -> List[Tuple[list, dict]]:
+    """The candidate with its data (the first float tensor of 3+ dims) given one more axis of 2: after the
+    channels (``[B, C, F, H, W]``) and before them (``[B, F, C, H, W]``); arguments shaped like the data
+    follow it."""
+    i = next((i for i, (_, v) in enumerate(pos) if isinstance(v, torch.Tensor) and v.is_floating_point()
+              and v.ndim >= 3), None)
+    if i is None:
+        return []
+    data = pos[i][1]
+    out = []
+    for at in (2, 1):
+        shape = list(data.shape)
+        shape.insert(at, 2)
+        new = torch.zeros(shape)
+        out.append(([(n, new if isinstance(v, torch.Tensor) and v.shape == data.shape else v) for n, v in pos],
+                    {n: (new if isinstance(v, torch.Tensor) and v.shape == data.shape else v) for n, v in kw.items()}))
+    return out
+
+
+def _masked(model, pos, kw) -> List[Tuple[list, dict]]:
+    """The candidate with the optional masks of the context filled (a forward that reads
+    ``encoder_attention_mask`` though its default is None)."""
+    names = [p.name for p in _signature(model) if p.default is not inspect.Parameter.empty and "mask" in p.name
+             and ("encoder" in p.name or "text" in p.name or "context" in p.name) and p.name not in kw]
+    if not names:
+        return []
+    return [(list(pos), {**kw, **{n: torch.ones(1, SEQ, dtype=torch.bool) for n in names}})]
+
+
+def _config_sized(model, pos, kw) -> List[Tuple[list, dict]]:
+    """The candidate with its data at the config's own size (``sample_size``, or ``sample_height`` and
+    ``sample_width``, ``sample_frames``): models whose position tables fix the input's size."""
+    cfg = _cfg(model)
+    i = next((i for i, (_, v) in enumerate(pos) if isinstance(v, torch.Tensor) and v.is_floating_point()
+              and v.ndim >= 4), None)
+    if i is None:
+        return []
+    size = cfg.get("sample_size")
+    hw = ([_int(size)] * 2 if _int(size) else list(size) if isinstance(size, (list, tuple)) and len(size) == 2
+          else [_int(cfg.get("sample_height")), _int(cfg.get("sample_width"))])
+    if not all(hw):
+        return []
+    data = pos[i][1]
+    out = []
+    shapes = [list(data.shape[:-2]) + hw]
+    frames = _int(cfg.get("sample_frames"))
+    if frames:
+        t = _int(cfg.get("temporal_compression_ratio")) or 1
+        f = (frames - 1) // t + 1
+        shapes += [[1, f, data.shape[1]] + hw, [1, data.shape[1], f] + hw]
+    for shape in shapes:
+        new = torch.zeros(shape)
+        out.append(([(n, new if v is data else v) for n, v in pos], dict(kw)))
+    return out
 
 
 def _fallback(model, why: str):

@@ -367,6 +367,7 @@ def check_finals(row: Row, model, groups, inputs=None) -> None:
 DIFFUSERS_TINY = {"num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32,
                   "joint_attention_dim": 32, "caption_channels": 32, "pooled_projection_dim": 32,
                   "encoder_hid_dim": 32, "text_embed_dim": 32, "caption_projection_dim": 32}
+DIFFUSERS_NONE = {"in_channels": 4, "patch_size": 2, "sample_size": 32}  # where the default None cannot build
 DIFFUSERS_DEPTH = ("num_layers", "num_single_layers", "layers_per_block", "transformer_layers_per_block",
                    "num_encoder_layers", "num_decoder_layers", "depth", "num_blocks", "n_layers",
                    "num_refiner_layers", "num_res_blocks")
@@ -400,6 +401,8 @@ def _diffusers_kwargs(cls, tiny: bool) -> dict:
     kw = {}
     for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
         d = p.default
+        if d is None and p.name in DIFFUSERS_NONE:
+            kw[p.name] = DIFFUSERS_NONE[p.name]
         if d is inspect.Parameter.empty or isinstance(d, bool):
             continue
         if p.name in DIFFUSERS_DEPTH and isinstance(d, int) and d > 1:

@@ -581,8 +581,10 @@ def table(rows: List[Row]) -> str:
              f"/{len(ok)} families; matrices decided by the trace: {sum(r.by_trace for r in ok)}, by the fallback "
              f"rules (config, module types, names): {sum(r.by_fallback for r in ok)}; fused splits the forward "
              f"performs: {sum(r.forward_splits for r in ok)}, made by ds_muon alike: {sum(r.splits_made for r in ok)}; "
-             f"disagreements between the traced forward and the decision: "
-             f"{sum(len(r.disagreements) for r in ok)}. {_reading_cost(ok)}", "",
+             f"final layers (read from the autograd graph of one meta forward: the weights whose output reaches "
+             f"the model's output with no weight after it): {sum(r.finals for r in ok)}, on AdamW: "
+             f"{sum(r.finals_adamw for r in ok)}; disagreements between the traced forward (or the autograd "
+             f"graph) and the decision: {sum(len(r.disagreements) for r in ok)}. {_reading_cost(ok)}", "",
              "| kind | tensors |", "| --- | --- |"]
     lines += [f"| {k} | {n} |" for k, n in kinds.most_common()]
     lines += ["", "| family | class | tensors | Muon | kinds | fused split | decided by trace / by fallback | "

@@ -159,9 +159,19 @@ OUTPUT_LAYERS = {"conv_classifier": "fc.weight", "transposed_lm": "output_layer.
                  "unet": "conv_out.weight", "dit": "proj_out.weight", "einsum_lm": "head.weight"}
 
 
+def litgpt_gpt() -> nn.Module:
+    """litgpt's ``GPT`` (``lm_head`` registered before ``transformer.wte``; ``attn.qkv`` of GQA sizes
+    ``(n_head·hs, ng·hs, ng·hs)``), small; litgpt must be installed."""
+    from litgpt import GPT
+    from litgpt.config import Config
+
+    return GPT(Config(n_layer=1, n_embd=32, n_head=4, n_query_groups=2, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                      block_size=16, intermediate_size=48, bias=False))
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return MODELS[name]()
+    return litgpt_gpt() if name == "litgpt" else MODELS[name]()
 
 
 def batch(name: str, seed: int = 0, n: int = 4):
@@ -169,7 +179,7 @@ def batch(name: str, seed: int = 0, n: int = 4):
     g = torch.Generator().manual_seed(seed)
     if name == "conv_classifier":
         return (torch.randn(n, 3, 8, 8, generator=g),), torch.randint(0, 10, (n,), generator=g)
-    if name in ("transposed_lm", "einsum_lm", "embedding_stack"):
+    if name in ("transposed_lm", "einsum_lm", "embedding_stack", "litgpt"):
         idx = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
         return (idx[:, :-1],), idx[:, 1:] % (16 if name == "embedding_stack" else VOCAB)
     x = torch.randn(n, 4, 8, 8, generator=g)
@@ -179,8 +189,8 @@ def batch(name: str, seed: int = 0, n: int = 4):
 
 
 def example_inputs(name: str):
-    """What a user passes as ``example_inputs=`` (one sample)."""
-    return batch(name, n=1)[0]
+    """What a user passes as ``example_inputs=`` (one sample); none for litgpt (its inputs are found)."""
+    return None if name == "litgpt" else batch(name, n=1)[0]
 
 
 def loss(name: str, model, args, target):
@@ -190,6 +200,6 @@ def loss(name: str, model, args, target):
         return F.cross_entropy(out, target)
     if name == "transposed_lm":
         return F.cross_entropy(out, target)  # logits [batch, vocab, seq]
-    if name in ("einsum_lm", "embedding_stack"):
+    if name in ("einsum_lm", "embedding_stack", "litgpt"):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
     return F.mse_loss(out, target)

@@ -13,8 +13,8 @@ records (:class:`Use`):
   read from the equation and the view's strides (:mod:`.equations`);
 * whether its input is the model's input with no weight in between (an input layer: stems, patch
   embeddings) and whether its output reaches the model's output with no other weight and no mixing
-  with another weight's output after it (the final output layer; the output is read from any container,
-  :func:`_outputs`);
+  with another weight's output after it (the final output layer; every tensor of the output counts,
+  whatever holds it: :func:`_outputs`);
 * how its output is split: every ``chunk``/``split``/``unbind``/slice of its output (after any
   ``view``/``reshape``/``permute`` exposing a block axis) is replayed on a small integer *companion*
   tensor holding each element's output-feature index, so the blocks and their interleaving are exact
@@ -597,41 +597,28 @@ def _merge_heads(infos) -> frozenset:
     return next(iter(sets)) if len(sets) == 1 else frozenset()
 
 
-PREDICTIONS = ("logits", "prediction_logits", "logits_per_image", "sample", "pred", "prediction")
+CACHES = ("past_key_values", "cache", "mems")  # output fields that are the forward's saved state, not its output
 
 
-def _outputs(out) -> List[torch.Tensor]:
-    """The tensors the model outputs, whatever holds them: a tensor; a tuple's or list's first item that
-    holds one; of a mapping or a dataclass (transformers' ``ModelOutput``, diffusers' ``BaseOutput``, any
-    ``@dataclass``) the prediction (``logits``, ``sample``, …) where it has one, else the first field of an
-    output class (``last_hidden_state``), else every tensor a plain dict holds (feature maps).  Caches,
-    hidden-state and attention tuples are never read (only top-level tensors count)."""
+def _outputs(out, field: str = "") -> List[torch.Tensor]:
+    """Every tensor the model outputs, whatever holds it: a tensor, a tuple or list, a mapping, a dataclass
+    (transformers' ``ModelOutput``, diffusers' ``BaseOutput``, any ``@dataclass``), nested; fields named as
+    caches (``past_key_values``, ``mems``: keys and values saved for the next call) are not outputs."""
+    if any(c in str(field).lower() for c in CACHES):
+        return []
     if isinstance(out, torch.Tensor):
         return [out]
-    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
-        return next((o for o in map(_outputs, out) if o), [])
-    items = None
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        items = [(f.name, getattr(out, f.name, None)) for f in dataclasses.fields(out)]
-    elif hasattr(out, "_fields"):  # a namedtuple
-        items = list(zip(out._fields, out))
-    elif hasattr(out, "keys"):
+    if hasattr(out, "keys") and hasattr(out, "__getitem__") and not isinstance(out, type):
         try:
-            items = [(k, out[k]) for k in out.keys()]
+            return [t for k in list(out.keys()) for t in _outputs(out[k], k)]
         except (KeyError, TypeError, IndexError):
             return []
-    if items is None:
-        return []
-    tensors = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
-    for key in PREDICTIONS:
-        for k, v in tensors:
-            if k == key:
-                return [v]
-    if not tensors:
-        return []
-    if dataclasses.is_dataclass(out) or hasattr(out, "to_tuple") or hasattr(out, "_fields"):
-        return [tensors[0][1]]  # an output class: its first field is the output
-    return [v for _, v in tensors]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in _outputs(getattr(out, f.name, None), f.name)]
+    if isinstance(out, (list, tuple)):
+        names = getattr(out, "_fields", None) or [""] * len(out)
+        return [t for k, v in zip(names, out) for t in _outputs(v, k)]
+    return []
 
 
 # -- the entry point --------------------------------------------------------------------------------

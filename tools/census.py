@@ -246,6 +246,9 @@ _VIEW_NODES = ("View", "UnsafeView", "Permute", "Transpose", "T", "Expand", "Res
                "Split", "SplitWithSizes", "Narrow", "Contiguous", "Unfold", "Flip", "Repeat")
 
 
+_JOIN_NODES = ("Cat", "Stack")
+
+
 def _node_kind(node) -> str:
     n = node.name()
     for suffix in ("Backward0", "Backward1", "Backward2"):
@@ -274,7 +277,8 @@ def final_layers(model, inputs=None):
     from the autograd graph of one meta forward (not from ``ds_muon.models.trace``: an independent truth).
     From each output tensor the graph is walked back through every op until a weight is applied (the
     final layer) or two operands that each carry a weight meet (a residual sum, attention, a gate: no
-    final layer on that path).  ``(names, error)``."""
+    final layer on that path); pieces concatenated or stacked side by side are each followed.
+    ``(names, error)``."""
     from ds_muon.models.inputs import _all_nonzero, _Consumers, default_inputs
     from ds_muon.models.trace import _to_meta, meta_copy
 
@@ -341,8 +345,8 @@ def final_layers(model, inputs=None):
             continue
         kids = [c for c, _ in node.next_functions if c is not None and not hasattr(c, "variable")]
         carrying = [c for c in kids if is_weighted(c)]
-        if len(carrying) == 1:
-            todo.append(carrying[0])
+        if len(carrying) == 1 or _node_kind(node) in _JOIN_NODES:  # pieces side by side are not mixed
+            todo.extend(carrying)
     return finals, ""
 
 
@@ -394,14 +398,15 @@ def diffusers_classes() -> List[str]:
     return sorted(out)
 
 
-def _diffusers_kwargs(cls, tiny: bool) -> dict:
-    """Few layers (and, ``tiny``, small widths) from the class's ``__init__`` defaults."""
+def _diffusers_kwargs(cls, tiny: bool, fill: bool = False) -> dict:
+    """Few layers (and, ``tiny``, small widths) from the class's ``__init__`` defaults (``fill``: the
+    :data:`DIFFUSERS_NONE` values where the default is None)."""
     import inspect
 
     kw = {}
     for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
         d = p.default
-        if d is None and p.name in DIFFUSERS_NONE:
+        if fill and d is None and p.name in DIFFUSERS_NONE:
             kw[p.name] = DIFFUSERS_NONE[p.name]
         if d is inspect.Parameter.empty or isinstance(d, bool):
             continue
@@ -425,7 +430,13 @@ def build_diffusers(name: str, tiny: bool, device: str = "meta"):
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device(device):
-            return cls(**_diffusers_kwargs(cls, tiny))
+            try:
+                return cls(**_diffusers_kwargs(cls, tiny))
+            except Exception:  # noqa: BLE001 - a default of None it cannot build with: fill it
+                fill = _diffusers_kwargs(cls, tiny, fill=True)
+                if fill == _diffusers_kwargs(cls, tiny):
+                    raise
+                return cls(**fill)
 
 
 def litgpt_configs() -> List[str]:

@@ -257,6 +257,30 @@ def _node_kind(node) -> str:
     return n
 
 
+def _keep_history_mode():
+    from ds_muon.models.inputs import _Consumers
+
+    class KeepHistory(_Consumers):
+        """The truth's forward: ``detach`` keeps the graph (a view), so a detached weight's output still
+        counts as another weight's output where it is mixed in (the rule reads the forward's data flow, not
+        where gradients stop)."""
+
+        def __init__(self):
+            super().__init__({}, set())
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "detach" and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].grad_fn is not None:
+                return args[0].view_as(args[0])
+            return super().__torch_function__(func, types, args, kwargs)
+
+    return KeepHistory
+
+
+def _KeepHistory():  # noqa: N802 - a mode, made when torch and ds_muon are importable
+    return _keep_history_mode()()
+
+
 def _leaves(out) -> list:
     """Every tensor of a model's output, whatever holds it (tuple, dict, ModelOutput, BaseOutput, dataclass)."""
     import dataclasses
@@ -277,9 +301,9 @@ def final_layers(model, inputs=None):
     from the autograd graph of one meta forward (not from ``ds_muon.models.trace``: an independent truth).
     From each output tensor the graph is walked back through every op until a weight is applied (the
     final layer) or two operands that each carry a weight meet (a residual sum, attention, a gate: no
-    final layer on that path); pieces concatenated or stacked side by side are each followed.
-    ``(names, error)``."""
-    from ds_muon.models.inputs import _all_nonzero, _Consumers, default_inputs
+    final layer on that path); pieces concatenated or stacked side by side are each followed, and a
+    ``detach`` keeps its history (:func:`_keep_history_mode`).  ``(names, error)``."""
+    from ds_muon.models.inputs import _all_nonzero, default_inputs
     from ds_muon.models.trace import _to_meta, meta_copy
 
     try:
@@ -290,7 +314,7 @@ def final_layers(model, inputs=None):
         for n, p in shadow.named_parameters(remove_duplicate=False):
             names[id(p)].append(n)
             p.requires_grad_(True)
-        with torch.enable_grad(), _all_nonzero(), _Consumers({}, set()):
+        with torch.enable_grad(), _all_nonzero(), _KeepHistory():
             out = shadow(*_to_meta(tuple(args)), **_to_meta(dict(kwargs)))
     except Exception as e:  # noqa: BLE001 - reported in the row
         return set(), f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"

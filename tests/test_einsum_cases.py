@@ -5,7 +5,7 @@ Each case draws the roles of a raw parameter's stored axes (2-D ``[in, out]`` / 
 matrix ``[in, out, out]`` / ``[out, in, in]`` such as ``wq: [D, H, hd]``; a head or expert stack ``[S, out, in]``
 / ``[S, in, out]`` whose stack axis is shared with the input; and layouts the engine's ``[shape[0], rest]``
 cannot hold), random sizes, letters, operand order and output order, and how it is applied (``einsum``,
-``tensordot``, ``F.linear`` of a permuted and reshaped view).  A model applies it to its input and a Linear
+``tensordot``, ``F.linear`` of a permuted and reshaped view, ``x @ W``).  A model applies it to its input and a Linear
 reads the result (so it is no output layer).  The reference is built here from the drawn roles alone: the
 gradient permuted to ``[stack…, out…, in…]``, reshaped, ``newton_schulz`` per stack member, scaled by
 ``get_muon_scale_factor(out, in)`` and laid back.  Layouts the engine cannot hold must stay on AdamW saying why.
@@ -59,7 +59,7 @@ def draw(rng: random.Random) -> Case:
         sizes[i] += 1
         outs = [s for s, r in zip(sizes, roles) if r == "out"]
     stack = "stack" in roles
-    how = "einsum" if stack else rng.choice(["einsum", "einsum", "tensordot", "linear"])
+    how = "einsum" if stack else rng.choice(["einsum", "einsum", "tensordot", "linear"] + ["matmul"] * (len(roles) == 2))
     letters = rng.sample(string.ascii_lowercase, len(roles) + 2)
     p_letters, batch = letters[:len(roles)], letters[len(roles):]
     x_letters = batch + [c for c, r in zip(p_letters, roles) if r in ("in", "stack")]
@@ -102,6 +102,8 @@ class Applies(nn.Module):
             ins = [i for i, r in enumerate(c.roles) if r == "in"]
             k = len(ins)
             y = torch.tensordot(x, w, dims=(list(range(x.ndim - k, x.ndim)), ins))
+        elif c.how == "matmul":  # x @ W of a 2-D tensor ([in, out]), or of its transpose
+            y = x @ (w if c.roles == ("in", "out") else w.T)
         else:  # F.linear of the [out, in] view of the stored tensor
             perm = [i for i, r in enumerate(c.roles) if r == "out"] + [i for i, r in enumerate(c.roles) if r == "in"]
             ins = _prod([s for s, r in zip(c.sizes, c.roles) if r == "in"])
@@ -164,4 +166,4 @@ def test_generated_equation_against_hand_newton_schulz(k):
 def test_the_draws_cover_every_layout():
     drawn = {c.roles for c in _cases()} | {c.how for c in _cases()}
     if CASES >= 24:
-        assert {"einsum", "tensordot", "linear"} <= drawn and sum(r in drawn for r in HELD) >= 5, drawn
+        assert {"einsum", "tensordot", "linear", "matmul"} <= drawn and sum(r in drawn for r in HELD) >= 5, drawn

@@ -275,6 +275,9 @@ class Rules:
                                 plan, decided_by="trace")
             if plan is not None:
                 return Decision(FUSED_BLOCK, True, f"{HIDDEN_MATRIX}, {plan.what} apart (traced)", plan, "trace")
+            if use.stored_in_out:  # x @ W: stored [in, out], its scale read from [out, in]
+                return Decision(HIDDEN_LINEAR, True, f"{HIDDEN_MATRIX}, stored [in, out] (applied as a linear map: "
+                                "traced)", FusedPlan({}, ONE_MATRIX, transposed=True), "trace")
             return Decision(HIDDEN_LINEAR, True, f"{HIDDEN_MATRIX} (applied as a linear map: traced)", None, "trace")
         if not d.muon or not use.blocks or d.kind == CONV or not self.split_fused or tagged:
             return traced

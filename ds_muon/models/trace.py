@@ -179,8 +179,9 @@ class _Recorder(TorchFunctionMode):
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         fi = self.get(first) if first is not None else _Info()
         if fi.param and len(flat_in) >= 1 and flat_in[0] is first and name in (_VIEWS | _SAME | _PIECES | {"T", "mT"}):
-            transposed = fi.transposed ^ (name in ("t", "T", "mT") or (name in ("transpose", "swapaxes") and
-                                                                          _last_two(args, first)))
+            transposed = fi.transposed ^ (name in ("t", "T", "mT") or (name in ("transpose", "swapaxes", "swapdims")
+                                                                          and _last_two(args, first))
+                                          or (name == "permute" and _swaps_last_two(args, first)))
             gathered = fi.gathered or (name == "__getitem__" and first.ndim >= 3 and _first_axis_index(args))
             for o in outs:
                 self.put(o, _Info(param=fi.param, transposed=transposed, gathered=gathered))
@@ -417,6 +418,15 @@ def _last_two(args, t) -> bool:
         return False
     nd = t.ndim
     return sorted(d % nd for d in dims) == [nd - 2, nd - 1]
+
+
+def _swaps_last_two(args, t) -> bool:
+    """``permute(dims)`` that swaps the last two axes and keeps the others (a 2-D ``w.permute(1, 0)``)."""
+    dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    nd = t.ndim
+    if len(dims) != nd or nd < 2 or not all(isinstance(d, int) for d in dims):
+        return False
+    return [d % nd for d in dims] == list(range(nd - 2)) + [nd - 1, nd - 2]
 
 
 def _first_axis_index(args) -> bool:

@@ -284,7 +284,7 @@ class _Consumers(TorchFunctionMode):
         self.seen: Dict[str, Tuple[str, Tuple[int, ...], int]] = {}  # name -> (op, weight shape, groups)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from .trace import _SCALARS, _fake_scalar, _name
+        from .meta import _SCALARS, _fake_scalar, _name
 
         kwargs = kwargs or {}
         name = _name(func)
@@ -344,7 +344,7 @@ def _all_nonzero():
 
 def _try(shadow: nn.Module, pos, kw):
     """Run ``shadow`` (a meta copy) on the candidate: ``(error or "", consumers)``."""
-    from .trace import _to_meta
+    from .meta import _to_meta
 
     args = tuple(_to_meta(v) for _, v in pos)
     kwargs = _to_meta(kw)
@@ -389,7 +389,7 @@ def find_inputs(model: nn.Module):
     followed by the inputs its consumers wanted (:func:`_follow`); when that changes nothing, the data with
     one more axis (video latents: frames after or before the channels).  At most :data:`TRIES` forwards on
     one meta copy; when none runs, the guess from the first registered module (:func:`_guess`)."""
-    from .trace import meta_copy
+    from .meta import meta_copy
 
     try:
         pos, kw = _candidate(model)

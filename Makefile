@@ -14,6 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "litgpt==0.5.*"  # its pins would downgrade numpy; the census reads its model code only
 	touch $(STAMP)
 
 venv: $(STAMP)

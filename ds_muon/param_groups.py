@@ -18,7 +18,7 @@ from .engine.exchange.tag_keys import EXPERTS, is_tagged, shape_tags
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .models.experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
 from .models.fused import apply_fused_plan
-from .models.kinds import CONV, HIDDEN_MATRIX, RAW, Decision, Rules, classify, matches
+from .models.kinds import CONV, HIDDEN_MATRIX, ONE_MATRIX, RAW, Decision, Rules, classify, matches
 from .models.selection import HEAD_NAMES, split_params, stores_in_out
 from .models.tags import expert_weight, split_rows, transposed
 from .models.wrappers import unwrap_model
@@ -102,7 +102,8 @@ def muon_param_groups(
     adam = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
             and not decided[id(p)][1].muon]
     for name, p in muon:
-        if decided[id(p)][1].kind != CONV:  # a conv weight is one [out, in·k…] matrix
+        d = decided[id(p)][1]  # a conv weight is one [out, in·k…] matrix, and so is an N-D one an equation applies
+        if d.kind != CONV and not (d.plan is not None and d.plan.what == ONE_MATRIX):
             check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
     _warn_raw(decided, model)
     if not muon and not adam:
@@ -120,17 +121,20 @@ def muon_param_groups(
                    f"the {len(adam)} trainable tensors (embeddings, heads, norms) train with AdamW")
     why = {i: d.reason for i, (_, d) in decided.items()}
     kinds = {i: d.kind for i, (_, d) in decided.items()}
+    by = {i: d.decided_by for i, (_, d) in decided.items()}  # the evidence that decided (summary's "by")
     groups = []
     if muon:
         groups.append({"params": [p for _, p in muon], "param_names": [n for n, _ in muon], "use_muon": True,
                        "param_tags": [shape_tags(p) for _, p in muon],  # restored if a stack swaps the tensors
                        "param_reasons": [why[id(p)] for _, p in muon],
                        "param_kinds": [kinds[id(p)] for _, p in muon],
+                       "param_evidence": [by[id(p)] for _, p in muon],
                        "lr": lr, "weight_decay": weight_decay, **muon_options})
     if adam:
         groups.append({"params": [p for _, p in adam], "param_names": [n for n, _ in adam], "use_muon": False,
                        "param_reasons": [why[id(p)] for _, p in adam],
-                       "param_kinds": [kinds[id(p)] for _, p in adam], "lr": adam_lr,
+                       "param_kinds": [kinds[id(p)] for _, p in adam],
+                       "param_evidence": [by[id(p)] for _, p in adam], "lr": adam_lr,
                        "weight_decay": adam_weight_decay})
     return groups
 
@@ -172,10 +176,11 @@ def _override(decided: Dict[int, Tuple[str, Decision]], exclude, include):
             raise ValueError(f"muon_param_groups: {name} matches both exclude={ex!r} and include={inc!r}")
         if ex:
             used.add(ex)
-            out[i] = (name, Decision(d.kind, False, f"exclude={ex!r} ({d.kind})"))
+            out[i] = (name, Decision(d.kind, False, f"exclude={ex!r} ({d.kind})", decided_by="exclude="))
         elif inc:
             used.add(inc)
-            out[i] = (name, Decision(d.kind, True, f"{HIDDEN_MATRIX}, include={inc!r} ({d.kind})", d.plan))
+            why = f"include={inc!r} ({d.kind})" if d.muon else f"include={inc!r} keeps this {d.kind} on Muon"
+            out[i] = (name, Decision(d.kind, True, f"{HIDDEN_MATRIX}, {why}", d.plan, decided_by="include="))
     unused = [p for p in exclude + include if p not in used]
     if unused:
         raise ValueError(f"muon_param_groups: {unused} match no trainable parameter; patterns are full names "

@@ -92,7 +92,7 @@ def test_every_adapter_follows_the_protocol():
 
 def _mlp(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3))  # 4: output layer
 
 
 def _grads(model, seed):

@@ -33,7 +33,7 @@ def _one_thread():
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 5), nn.LayerNorm(5))
+    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))  # 4: output layer
 
 
 def _train(model, opt, steps=2, dtype=torch.float32):

@@ -4,7 +4,9 @@ on Muon but hidden linear maps; a seeded sample takes one finite single-process 
 proof (issue 32): each family's forward is read on the meta device and the decision checked against
 it tensor by tensor (the fused splits the forward performs are the splits made, no stem or head on
 Muon), for the transformers families and for the models without a config written in
-``tests/trace_models.py`` (torchvision ResNet / detection backbone, timm ViT)."""
+``tests/trace_models.py`` (torchvision ResNet / detection backbone, timm ViT).  Issue 40: the same beyond
+transformers (every diffusers model class, litgpt's named configs), with no ``example_inputs``, and every
+final layer (read from the autograd graph, not the trace) on AdamW."""
 
 from __future__ import annotations
 
@@ -65,4 +67,43 @@ def test_models_without_a_config_traced_and_agree(family):
     assert not row.refused and not row.trace_error, (row.error, row.trace_error)
     assert row.by_fallback == 0 and not row.disagreements, row.disagreements
     assert row.forward_splits == row.splits_made == (2 if family == "vit" else 0)
-    assert row.kinds["input layer"] == 1 and row.kinds["output head"] == (0 if family == "resnet_fpn" else 1)
+    # the FPN's output is a dict of 4 feature maps, each made by its own layer block: 4 final layers (issue 40)
+    assert row.kinds["input layer"] == 1 and row.kinds["output head"] == (4 if family == "resnet_fpn" else 1)
+    assert row.finals == row.finals_adamw == row.kinds["output head"], (row.finals, row.finals_adamw)
+
+
+# -- beyond transformers: diffusers' model classes and litgpt's named configs (issue 40) ----------------------
+BEYOND_MUST = ("UNet2DConditionModel", "UNet2DModel", "DiTTransformer2DModel", "PixArtTransformer2DModel",
+               "SD3Transformer2DModel", "FluxTransformer2DModel", "AutoencoderKL",
+               "pythia-14m", "Llama-3.2-1B", "Gemma-2-2b", "phi-2")
+BEYOND_SAMPLE = 4  # seeded classes or configs of each library beside BEYOND_MUST (all with DS_MUON_CENSUS_FULL=1)
+
+
+def test_beyond_transformers_classified_traced_and_agree():
+    pytest.importorskip("diffusers")
+    pytest.importorskip("litgpt")
+    rows = census.census_beyond(seed=0, sample=None if FULL else BEYOND_SAMPLE, must=BEYOND_MUST)
+    assert len(census.diffusers_classes()) > 100 and len(census.litgpt_configs()) > 100  # enumerated, all of them
+    by_name = {r.family: r for r in rows}
+    assert set(BEYOND_MUST) <= set(by_name)
+    built = [r for r in rows if r.built]
+    assert len(built) >= (0.8 if FULL else 0.7) * len(rows), [(r.family, r.error) for r in rows if not r.built]
+    classified = [r for r in built if not r.refused]
+    for r in built:  # a refusal: a model of one projection (its only matrix is its output layer), said so
+        assert not r.refused or r.error.startswith("ValueError: muon_param_groups: no hidden weight matrix"), \
+            (r.family, r.error)
+    assert len(classified) >= 0.95 * len(built)
+    for r in classified:
+        assert set(r.kinds) <= set(KINDS), (r.family, r.kinds)
+        assert r.muon == sum(n for k, n in r.kinds.items() if k in MUON_KINDS), r.family
+    # the proof: splits, stems and final layers against the traced forward and the autograd graph
+    assert not [(r.family, r.disagreements) for r in classified if r.disagreements]
+    traced = [r for r in classified if not r.trace_error]
+    assert len(traced) >= (0.6 if FULL else 0.7) * len(classified), [(r.family, r.trace_error) for r in classified]
+    assert sum(r.forward_splits for r in traced) == sum(r.splits_made for r in traced) > (100 if FULL else 10)
+    for name in BEYOND_MUST:  # no example_inputs: every matrix decided from the forward, the final layer on AdamW
+        r = by_name[name]
+        assert r.built and not r.trace_error and r.by_fallback == 0 and r.by_trace > 0, (name, r.error, r.trace_error)
+        assert r.finals >= 1 and r.finals_adamw == r.finals, (name, r.finals, r.finals_adamw)
+    for name in ("pythia-14m", "Llama-3.2-1B", "Gemma-2-2b", "phi-2"):  # litgpt's fused qkv, split as it splits it
+        assert by_name[name].forward_splits >= 2 and by_name[name].fused, (name, by_name[name].fused)

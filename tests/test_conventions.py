@@ -59,7 +59,7 @@ def test_load_refuses_swapped_groups_and_other_tensor_names():
     opt = build(a)
     train(a, opt)
     sd = opt.state_dict()
-    assert [len(g["params"]) for g in sd["param_groups"]] == [3, 3]  # torch's length check cannot see a swap
+    assert [len(g["params"]) for g in sd["param_groups"]] == [2, 4]  # 4.weight: the output layer, AdamW
     b = mlp(1)
     fresh = build(b)
     train(b, fresh, steps=1)
@@ -128,7 +128,7 @@ def test_copy_keeps_settings_and_steps_bitwise_like_original(how):
     dup.step()
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     assert all(torch.equal(opt.state[a]["momentum_buffer"], dup.state[b]["momentum_buffer"])
-               for a, b in zip(ours[:3], theirs[:3]))
+               for a, b in zip(opt.param_groups[0]["params"], dup.param_groups[0]["params"]))
 
 
 def test_copy_of_bound_optimizer_must_be_bound_again():
@@ -158,9 +158,10 @@ def test_tensor_lr_like_torch(shape):
     groups = ds_muon.muon_param_groups(a, lr=lr, adam_lr=adam_lr, weight_decay=0.1, adam_weight_decay=0.01)
     ours = ds_muon.Muon(groups, ns_dtype=torch.float32)
     # reference: Muon with lr read as a number, torch's own AdamW with the same tensor lr
-    ref_muon = ds_muon.Muon([p for p in b.parameters() if p.ndim == 2], lr=float(lr), weight_decay=0.1,
+    muon = {n for g in groups if g["use_muon"] for n in g["param_names"]}  # 4.weight: the output layer, AdamW
+    ref_muon = ds_muon.Muon([p for n, p in b.named_parameters() if n in muon], lr=float(lr), weight_decay=0.1,
                             ns_dtype=torch.float32)
-    ref_adam = torch.optim.AdamW([p for p in b.parameters() if p.ndim < 2], lr=adam_lr, betas=ours.adam_betas,
+    ref_adam = torch.optim.AdamW([p for n, p in b.named_parameters() if n not in muon], lr=adam_lr, betas=ours.adam_betas,
                                  eps=ours.adam_eps, weight_decay=0.01)
     for s in range(3):
         for m, opts in ((a, [ours]), (b, [ref_muon, ref_adam])):
@@ -271,18 +272,20 @@ class WithEmpty(nn.Module):
         self.b = nn.Linear(16, 4)
         self.to_none = nn.Linear(16, 0, bias=False) if empty else None
         self.from_none = nn.Linear(0, 4, bias=False) if empty else None
+        self.out = nn.Linear(4, 4)  # the output layer (AdamW) in both: b is a hidden matrix either way
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
         y = self.b(h)
         if self.to_none is not None:
             y = y + self.to_none(h).sum(-1, keepdim=True) + self.from_none(h[:, :0])
-        return y
+        return self.out(torch.tanh(y))
 
 
 def empty_run(empty: bool, steps=3):
     model = WithEmpty(empty)
-    opt = ds_muon.Muon(ds_muon.muon_param_groups(model, adam_lr=1e-2), ns_dtype=torch.float32)
+    groups = ds_muon.muon_param_groups(model, adam_lr=1e-2, example_inputs=torch.zeros(4, 8))  # h[:, :0] wants 2-D
+    opt = ds_muon.Muon(groups, ns_dtype=torch.float32)
     train(model, opt, steps)
     return model, opt
 

@@ -42,7 +42,8 @@ HELD = "4.weight"  # the Muon tensor added with add_param_group
 
 def model_for(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh(),
+                         nn.Linear(4, 4))  # 6: the output layer (AdamW); 4.weight a hidden matrix
 
 
 def batch(t):

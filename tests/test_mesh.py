@@ -35,9 +35,11 @@ class GatedMLP(nn.Module):
         self.w_gate = nn.Linear(10, 22, bias=False)
         self.w_out = nn.Linear(22, 13, bias=False)
         self.proj = nn.Linear(13, 9)
+        self.out = nn.Linear(9, 5)  # the output layer (AdamW): proj stays a hidden matrix
 
     def forward(self, x):
-        return self.proj(torch.relu(self.w_out(torch.nn.functional.silu(self.w_gate(x)) * self.w_in(x))))
+        return self.out(torch.tanh(self.proj(torch.relu(self.w_out(torch.nn.functional.silu(self.w_gate(x)) *
+                                                                    self.w_in(x))))))
 
 
 def _batch(step):

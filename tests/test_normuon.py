@@ -673,7 +673,8 @@ def test_every_kind_of_matrix_under_ddp_and_fsdp2():
 # -- FSDP1's optimizer state dicts ---------------------------------------------------------------------
 def _fsdp1_model(seed):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 9, bias=False), nn.Tanh(), nn.Linear(9, 5, bias=True))
+    return nn.Sequential(nn.Linear(7, 9, bias=False), nn.Tanh(), nn.Linear(9, 5, bias=True), nn.Tanh(),
+                         nn.Linear(5, 5, bias=False))  # 4: the output layer (AdamW)
 
 
 def _fsdp1_batch(t):

@@ -23,7 +23,7 @@ STEPS = 3
 def make_model(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 24),
-                         nn.Tanh(), nn.Linear(24, 8))
+                         nn.Tanh(), nn.Linear(24, 8), nn.Tanh(), nn.Linear(8, 8))  # 8: the output layer (AdamW)
 
 
 def batch(step, rank=0):

@@ -53,8 +53,9 @@ def test_adamw_groups_bitwise_equal_torch_adamw():
     a, b = mlp(), mlp()
     groups = ds_muon.muon_param_groups(a, lr=0.02, adam_lr=1e-3, adam_weight_decay=0.05)
     ours = ds_muon.Muon(groups, adam_betas=(0.9, 0.99), adam_eps=1e-7)
-    vecs_b = [p for p in b.parameters() if p.ndim < 2]
-    mats_b = [p for p in b.parameters() if p.ndim == 2]
+    muon = {n for g in groups if g["use_muon"] for n in g["param_names"]}  # the output layer: AdamW
+    vecs_b = [p for n, p in b.named_parameters() if n not in muon]
+    mats_b = [p for n, p in b.named_parameters() if n in muon]
     ref_adam = torch.optim.AdamW(vecs_b, lr=1e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
     ref_muon = ds_muon.Muon(mats_b, lr=0.02)
     train(a, [ours])

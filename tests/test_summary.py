@@ -407,12 +407,14 @@ def test_deepspeed_moe_group_split_keeps_reasons_aligned():
     """DsMuon puts DeepSpeed MoE experts in their own groups: each per-tensor list follows its tensors."""
     from ds_muon.integrations.moe import split_moe_groups
 
-    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 6), nn.Linear(6, 4))
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 6), nn.Linear(6, 4), nn.Linear(4, 3))  # 3: output layer
     model[1].weight.allreduce, model[1].weight.group_name = False, "ep_size_2"  # how DeepSpeed marks experts
     groups = split_moe_groups(ds_muon.muon_param_groups(model))
+    head = "output head (its output is the model's output: traced)"
     assert [(g["param_names"], g["param_reasons"], g.get("name")) for g in groups] == [
         (["2.weight"], ["hidden matrix"], None), (["1.weight"], ["hidden matrix"], "ep_size_2"),
-        (["0.weight", "1.bias", "2.bias"], ["embedding", "1-D", "1-D"], None)]
+        (["0.weight", "1.bias", "2.bias", "3.weight", "3.bias"], ["embedding", "1-D", "1-D", head, "1-D"], None)]
+    assert [g["param_evidence"] for g in groups] == [["trace"], ["trace"], ["trace"] + ["module type"] * 2 + ["trace", "module type"]]
     assert all(len(g["param_tags"]) == len(g["params"]) for g in groups if g["use_muon"])
 
 

@@ -347,7 +347,7 @@ def test_state_dict_deterministic(named0, named1):
 
 def test_loaded_param_groups_are_the_saved_ones():
     """heavyball's save/restore check: a restored optimizer's param_groups equal the saved ones."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))  # 2: output layer
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model))
     model(torch.randn(2, 4)).sum().backward()
     opt.step()

@@ -194,7 +194,9 @@ def test_resnet_stem_and_fc_on_adamw_convs_on_muon():
     assert {n for n, p in model.named_parameters() if p.ndim == 4 and n != "conv1.weight"} == muon
     backbone = TM.resnet_fpn_backbone()
     muon, adam = _sets(_groups(backbone))
-    assert "body.conv1.weight" in adam and "fpn.layer_blocks.0.weight" in muon  # feature maps are not a head
+    assert "body.conv1.weight" in adam and "fpn.inner_blocks.0.weight" in muon
+    # the convs making the feature maps it returns (a dict) are its output layers (issue 40)
+    assert {f"fpn.layer_blocks.{i}.weight" for i in range(4)} <= adam
     model = TM.resnet18()
     before = _one_step(model)  # a conv is one [out, in·kh·kw] matrix
     w = model.layer1[0].conv1.weight
@@ -255,10 +257,10 @@ def test_untraceable_model_falls_back_with_one_warning_naming_the_tensors():
     assert {"stem.weight", "a.weight"} <= muon and "b.weight" in adam  # b classifies pooled features: a head
 
 
-def test_last_layer_of_a_plain_stack_stays_hidden_without_a_config():
+def test_last_layer_of_a_plain_stack_is_its_output_layer_without_a_config():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    muon, _ = _sets(_groups(model))
-    assert muon == {"0.weight", "2.weight"}  # the rules' behaviour: only pooled classifiers or named heads
+    muon, adam = _sets(_groups(model))
+    assert muon == {"0.weight"} and "2.weight" in adam  # issue 40: the final output layer of every model
 
 
 def test_reading_leaves_the_model_untouched():

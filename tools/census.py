@@ -12,7 +12,13 @@ not build (and why), or ds_muon refuses it (and why).  The census is also a proo
 with how many matrices the trace decided and how many the fallback rules did.  ``--step N`` also builds N seeded
 families for real and runs one single-process step from random gradients (finite or not).
 
+Beyond transformers (``--beyond diffusers,litgpt``): every model class diffusers exports and every litgpt
+named config, built small, with no ``example_inputs`` (found by :mod:`ds_muon.models.inputs`), proven the
+same way, and every final layer (:func:`final_layers`: read from the autograd graph, not from the trace) on
+AdamW.  :func:`check_finals` runs for the transformers families too.
+
     python tools/census.py [--only llama,gpt2] [--step 6] [--markdown docs/CENSUS.md]
+    python tools/census.py --beyond diffusers,litgpt [--sample 10] [--markdown docs/CENSUS.md]
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ class Row:
     forward_splits: int = 0  # Muon matrices whose output the forward splits into blocks
     splits_made: int = 0  # of those, split by ds_muon into the same blocks
     disagreements: List[str] = field(default_factory=list)  # the decision against what the forward does
+    library: str = "transformers"
+    finals: int = 0  # weights whose output reaches the model's output with no weight after it (autograd)
+    finals_adamw: int = 0  # of those, on AdamW
+    truth_error: str = ""  # why the autograd truth could not be read
+    inputs: str = ""  # what the forward was read with (ds_muon.models.inputs: how they were found)
 
 
 def families() -> List[str]:
@@ -145,7 +156,7 @@ def classify_model(row: Row, model, example_inputs=None, read: bool = True) -> R
 
     row.built, row.cls = True, row.cls or type(model).__name__
     traced = trace(model, example_inputs) if read else Trace(error="not read (sampled out)")
-    row.trace_error, row.trace_ms = traced.error, traced.ms
+    row.trace_error, row.trace_ms, row.inputs = traced.error, traced.ms, traced.inputs
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -155,6 +166,7 @@ def classify_model(row: Row, model, example_inputs=None, read: bool = True) -> R
         return row
     if read:
         proof(row, model, groups, traced)
+        check_finals(row, model, groups)
     for g in groups:
         for name, kind, reason, p in zip(g["param_names"], g["param_kinds"], g["param_reasons"], g["params"]):
             row.kinds[kind] += 1
@@ -223,6 +235,311 @@ def _blocks_equal(p, use) -> bool:
     for _, rows, cols in getattr(p, BLOCKS, None) or ():
         sets.add(tuple(sorted(run(cols if in_out else rows))))
     return sets == {tuple(b) for b in use.blocks}
+
+
+# -- the final layers, read from autograd (independent of the trace) ------------------------------
+_MATRIX_NODES = ("Mm", "Addmm", "Bmm", "Baddbmm", "Addbmm", "Convolution", "ConvolutionBackward", "Embedding",
+                 "EmbeddingBag", "GroupedMm", "Mv", "Addmv", "Dot", "Linear", "SlowConv", "CudnnConvolution",
+                 "MkldnnConvolution", "ConvDepthwise", "ConvTranspose")
+_VIEW_NODES = ("View", "UnsafeView", "Permute", "Transpose", "T", "Expand", "Reshape", "ReshapeAlias", "Clone",
+               "ToCopy", "Unsqueeze", "Squeeze", "AsStrided", "Select", "Slice", "Index", "Alias", "Unbind",
+               "Split", "SplitWithSizes", "Narrow", "Contiguous", "Unfold", "Flip", "Repeat")
+
+
+_JOIN_NODES = ("Cat", "Stack")
+
+
+def _node_kind(node) -> str:
+    n = node.name()
+    for suffix in ("Backward0", "Backward1", "Backward2"):
+        if n.endswith(suffix):
+            n = n[: -len(suffix)]
+    return n
+
+
+def _keep_history_mode():
+    from ds_muon.models.inputs import _Consumers
+
+    class KeepHistory(_Consumers):
+        """The truth's forward: ``detach`` keeps the graph (a view), so a detached weight's output still
+        counts as another weight's output where it is mixed in (the rule reads the forward's data flow, not
+        where gradients stop)."""
+
+        def __init__(self):
+            super().__init__({}, set())
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "detach" and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].grad_fn is not None:
+                return args[0].view_as(args[0])
+            return super().__torch_function__(func, types, args, kwargs)
+
+    return KeepHistory
+
+
+def _KeepHistory():  # noqa: N802 - a mode, made when torch and ds_muon are importable
+    return _keep_history_mode()()
+
+
+def _leaves(out) -> list:
+    """Every tensor of a model's output, whatever holds it (tuple, dict, ModelOutput, BaseOutput, dataclass)."""
+    import dataclasses
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "keys") and hasattr(out, "__getitem__"):
+        return [t for k in list(out.keys()) for t in _leaves(out[k])]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in _leaves(getattr(out, f.name, None))]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _leaves(v)]
+    return []
+
+
+def final_layers(model, inputs=None):
+    """The weights (2+ dims) whose output reaches the model's output with no other weight after it, read
+    from the autograd graph of one meta forward (not from ``ds_muon.models.trace``: an independent truth).
+    From each output tensor the graph is walked back through every op until a weight is applied (the
+    final layer) or two operands that each carry a weight meet (a residual sum, attention, a gate: no
+    final layer on that path); pieces concatenated or stacked side by side are each followed, and a
+    ``detach`` keeps its history (:func:`_keep_history_mode`).  ``(names, error)``."""
+    from ds_muon.models.inputs import _all_nonzero, default_inputs
+    from ds_muon.models.trace import _to_meta, meta_copy
+
+    try:
+        args, kwargs, _ = inputs if inputs is not None else default_inputs(model)
+        shadow = meta_copy(model)
+        shadow.eval()
+        names: Dict[int, List[str]] = collections.defaultdict(list)
+        for n, p in shadow.named_parameters(remove_duplicate=False):
+            names[id(p)].append(n)
+            p.requires_grad_(True)
+        with torch.enable_grad(), _all_nonzero(), _KeepHistory():
+            out = shadow(*_to_meta(tuple(args)), **_to_meta(dict(kwargs)))
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return set(), f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+    def param_of(node):
+        seen = 0
+        while node is not None and seen < 16:
+            if hasattr(node, "variable"):
+                v = node.variable
+                return v if v.ndim >= 2 else None
+            if _node_kind(node) not in _VIEW_NODES:
+                return None
+            nxt = [c for c, _ in node.next_functions if c is not None]
+            if len(nxt) != 1:
+                return None
+            node, seen = nxt[0], seen + 1
+        return None
+
+    def weights(node):
+        if _node_kind(node) not in _MATRIX_NODES:
+            return []
+        return [p for p in (param_of(c) for c, _ in node.next_functions if c is not None) if p is not None]
+
+    weighted: Dict[int, bool] = {}
+
+    def is_weighted(root) -> bool:  # any weight applied upstream of ``root`` (iterative, memoized)
+        stack = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if id(node) in weighted:
+                continue
+            kids = [c for c, _ in node.next_functions if c is not None]
+            if done:
+                weighted[id(node)] = bool(weights(node)) or any(weighted.get(id(c), False) for c in kids)
+                continue
+            stack.append((node, True))
+            stack.extend((c, False) for c in kids if id(c) not in weighted)
+        return weighted[id(root)]
+
+    finals, seen, todo = set(), set(), []
+    for t in _leaves(out):
+        if t.grad_fn is not None:
+            todo.append(t.grad_fn)
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        ws = weights(node)
+        if ws:
+            finals.update(names[id(p)][0] for p in ws)
+            continue
+        kids = [c for c, _ in node.next_functions if c is not None and not hasattr(c, "variable")]
+        carrying = [c for c in kids if is_weighted(c)]
+        if len(carrying) == 1 or _node_kind(node) in _JOIN_NODES:  # pieces side by side are not mixed
+            todo.extend(carrying)
+    return finals, ""
+
+
+def check_finals(row: Row, model, groups, inputs=None) -> None:
+    """Every final layer (:func:`final_layers`) on AdamW, unless ``include=`` kept it (not in a census)."""
+    finals, row.truth_error = final_layers(model, inputs)
+    muon = {n for g in groups if g["use_muon"] for n in g["param_names"]}
+    alias = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        alias.setdefault(id(p), []).append(n)
+    by_name = {n: ns for ns in alias.values() for n in ns}
+    row.finals = len(finals)
+    for n in sorted(finals):
+        if any(a in muon for a in by_name.get(n, [n])):
+            row.disagreements.append(f"{n}: on Muon, but its output reaches the model's output with no weight "
+                                     f"after it (a final layer)")
+        else:
+            row.finals_adamw += 1
+
+
+# -- beyond transformers: diffusers' model classes and litgpt's named configs ----------------------
+DIFFUSERS_TINY = {"num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32,
+                  "joint_attention_dim": 32, "caption_channels": 32, "pooled_projection_dim": 32,
+                  "encoder_hid_dim": 32, "text_embed_dim": 32, "caption_projection_dim": 32}
+DIFFUSERS_NONE = {"in_channels": 4, "patch_size": 2, "sample_size": 32}  # where the default None cannot build
+DIFFUSERS_DEPTH = ("num_layers", "num_single_layers", "layers_per_block", "transformer_layers_per_block",
+                   "num_encoder_layers", "num_decoder_layers", "depth", "num_blocks", "n_layers",
+                   "num_refiner_layers", "num_res_blocks")
+
+
+def diffusers_classes() -> List[str]:
+    """Every model class diffusers exports (a ``ModelMixin``), by name: a class added by a future release
+    enters by itself."""
+    import inspect
+
+    import diffusers
+    from diffusers import ModelMixin
+
+    out = []
+    for n in dir(diffusers):
+        if n.startswith("_"):
+            continue
+        try:
+            c = getattr(diffusers, n)
+        except Exception:  # noqa: BLE001 - an optional backend missing
+            continue
+        if inspect.isclass(c) and issubclass(c, ModelMixin) and c is not ModelMixin:
+            out.append(n)
+    return sorted(out)
+
+
+def _diffusers_kwargs(cls, tiny: bool, fill: bool = False) -> dict:
+    """Few layers (and, ``tiny``, small widths) from the class's ``__init__`` defaults (``fill``: the
+    :data:`DIFFUSERS_NONE` values where the default is None)."""
+    import inspect
+
+    kw = {}
+    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        d = p.default
+        if fill and d is None and p.name in DIFFUSERS_NONE:
+            kw[p.name] = DIFFUSERS_NONE[p.name]
+        if d is inspect.Parameter.empty or isinstance(d, bool):
+            continue
+        if p.name in DIFFUSERS_DEPTH and isinstance(d, int) and d > 1:
+            kw[p.name] = 1
+        elif p.name in DIFFUSERS_DEPTH and isinstance(d, tuple) and all(isinstance(v, int) for v in d):
+            kw[p.name] = tuple(min(v, 1) for v in d)
+        elif tiny and p.name in DIFFUSERS_TINY and isinstance(d, int) and d > DIFFUSERS_TINY[p.name]:
+            kw[p.name] = DIFFUSERS_TINY[p.name]
+        elif tiny and p.name in ("block_out_channels", "decoder_block_out_channels", "encoder_block_out_channels") \
+                and isinstance(d, tuple) and all(isinstance(v, int) for v in d):
+            kw[p.name] = tuple(min(v, 64) for v in d)
+    return kw
+
+
+def build_diffusers(name: str, tiny: bool, device: str = "meta"):
+    import diffusers
+
+    cls = getattr(diffusers, name)
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device(device):
+            try:
+                return cls(**_diffusers_kwargs(cls, tiny))
+            except Exception:  # noqa: BLE001 - a default of None it cannot build with: fill it
+                fill = _diffusers_kwargs(cls, tiny, fill=True)
+                if fill == _diffusers_kwargs(cls, tiny):
+                    raise
+                return cls(**fill)
+
+
+def litgpt_configs() -> List[str]:
+    from litgpt.config import configs
+
+    return sorted({c["name"] for c in configs})
+
+
+def build_litgpt(name: str, tiny: bool, device: str = "meta"):
+    """litgpt's ``GPT`` of a named config with 2 layers (and, ``tiny``, 4 heads of 16, a 256 vocabulary)."""
+    from litgpt import GPT, Config
+
+    base = Config.from_name(name)
+    over = {"n_layer": min(base.n_layer, 2)}
+    if base.sliding_window_indices is not None:
+        over["sliding_window_indices"] = list(base.sliding_window_indices)[: over["n_layer"]]
+    if getattr(base, "rope_indices", None) is not None:
+        over["rope_indices"] = list(base.rope_indices)[: over["n_layer"]]
+    if base.first_k_dense_replace:
+        over["first_k_dense_replace"] = min(base.first_k_dense_replace, 1)
+    if tiny:
+        h = 4
+        g = h if base.n_query_groups == base.n_head else 1 if base.n_query_groups == 1 else 2
+        over.update(n_head=h, n_query_groups=g, head_size=16, n_embd=64, intermediate_size=96, vocab_size=256,
+                    padded_vocab_size=256, block_size=64)
+        if base.moe_intermediate_size:
+            over["moe_intermediate_size"] = 32
+        if base.n_expert:
+            over.update(n_expert=min(base.n_expert, 4), n_expert_per_token=min(base.n_expert_per_token, 2))
+            if base.n_expert_groups:
+                over.update(n_expert_groups=1, n_topk_groups=1)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(), torch.device(device):
+        warnings.simplefilter("ignore")
+        return GPT(Config.from_name(name, **over))
+
+
+def classify_other(library: str, name: str, read: bool = True) -> Row:
+    """One diffusers class or litgpt config: built tiny where it can be (else with few layers at its default
+    widths), classified, and (``read``) proven against its traced forward and its autograd final layers."""
+    build = build_diffusers if library == "diffusers" else build_litgpt
+    row = Row(name, library=library)
+    model = None
+    for tiny in (True, False):
+        try:
+            model = build(name, tiny)
+            row.tiny = tiny
+            if read and tiny:  # the tiny widths must also run the forward (a rope table sized to the width)
+                from ds_muon.models.inputs import default_inputs
+
+                args, kwargs, what = default_inputs(model)
+                if "guessed from the first layer" in what:
+                    raise RuntimeError(what.split("ran: ", 1)[-1])
+            break
+        except Exception as e:  # noqa: BLE001 - a census reports every failure
+            model = None if not tiny else None
+            row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if model is None:
+        return row
+    row.built, row.error, row.cls = True, "", type(model).__name__
+    return classify_model(row, model, read=read)
+
+
+def census_beyond(libraries=("diffusers", "litgpt"), only: Optional[List[str]] = None, seed: int = 0,
+                  sample: Optional[int] = None, must=()) -> List[Row]:
+    """Every diffusers class and litgpt config (or ``sample`` seeded ones of each and ``must``)."""
+    rows = []
+    for lib in libraries:
+        try:
+            names = diffusers_classes() if lib == "diffusers" else litgpt_configs()
+        except ImportError as e:
+            rows.append(Row(lib, library=lib, error=f"not installed: {e}"))
+            continue
+        names = [n for n in names if only is None or n in only]
+        if sample is not None:
+            chosen = set(random.Random(seed).sample(names, min(sample, len(names)))) | (set(must) & set(names))
+            names = [n for n in names if n in chosen]
+        rows += [classify_other(lib, n) for n in names]
+    return rows
 
 
 def step_family(model_type: str) -> str:
@@ -299,8 +616,10 @@ def table(rows: List[Row]) -> str:
              f"/{len(ok)} families; matrices decided by the trace: {sum(r.by_trace for r in ok)}, by the fallback "
              f"rules (config, module types, names): {sum(r.by_fallback for r in ok)}; fused splits the forward "
              f"performs: {sum(r.forward_splits for r in ok)}, made by ds_muon alike: {sum(r.splits_made for r in ok)}; "
-             f"disagreements between the traced forward and the decision: "
-             f"{sum(len(r.disagreements) for r in ok)}. {_reading_cost(ok)}", "",
+             f"final layers (read from the autograd graph of one meta forward: the weights whose output reaches "
+             f"the model's output with no weight after it): {sum(r.finals for r in ok)}, on AdamW: "
+             f"{sum(r.finals_adamw for r in ok)}; disagreements between the traced forward (or the autograd "
+             f"graph) and the decision: {sum(len(r.disagreements) for r in ok)}. {_reading_cost(ok)}", "",
              "| kind | tensors |", "| --- | --- |"]
     lines += [f"| {k} | {n} |" for k, n in kinds.most_common()]
     lines += ["", "| family | class | tensors | Muon | kinds | fused split | decided by trace / by fallback | "
@@ -321,6 +640,77 @@ def table(rows: List[Row]) -> str:
     return "\n".join(lines)
 
 
+BEYOND_HEADING = "# Census beyond transformers: diffusers model classes and litgpt configs"
+
+
+def table_beyond(rows: List[Row]) -> str:
+    """The diffusers and litgpt census as markdown: totals per library, then one row per class or config."""
+    lines = [BEYOND_HEADING, "",
+             "`python tools/census.py --beyond diffusers,litgpt --markdown docs/CENSUS.md` (this section only). "
+             "Every model class diffusers exports (enumerated, not listed by hand) is built from its `__init__` "
+             "defaults with one layer per stack and, where that builds and its forward runs, small widths (else "
+             "its default widths); every litgpt named config is built as `GPT` with 2 layers and, where it builds "
+             "and runs, 4 heads of 16 and a 256 vocabulary. No `example_inputs`: the inputs are found from the "
+             "forward's signature (`ds_muon.models.inputs`). Columns as above; `final layers on AdamW` counts the "
+             "weights whose output reaches the model's output with no weight after it, read from the autograd "
+             "graph of one meta forward (independent of the trace), and those of them on AdamW (the proof: equal)."]
+    for lib in sorted({r.library for r in rows}):
+        mine = [r for r in rows if r.library == lib]
+        built = [r for r in mine if r.built]
+        ok = [r for r in built if not r.refused]
+        traced = [r for r in ok if not r.trace_error]
+        version = _version(lib)
+        lines += ["", f"{lib} {version}: {len(mine)} {'classes' if lib == 'diffusers' else 'named configs'}; "
+                  f"build: {len(built)} ({sum(r.tiny for r in built)} at small widths); classified: {len(ok)}, "
+                  f"{sum(r.tensors for r in ok)} tensors; forward read: {len(traced)}/{len(ok)}; matrices decided by "
+                  f"the trace: {sum(r.by_trace for r in ok)}, by the fallback rules: {sum(r.by_fallback for r in ok)}; "
+                  f"fused splits the forward performs: {sum(r.forward_splits for r in ok)}, made alike: "
+                  f"{sum(r.splits_made for r in ok)}; final layers (autograd): {sum(r.finals for r in ok)}, on AdamW: "
+                  f"{sum(r.finals_adamw for r in ok)}; disagreements: {sum(len(r.disagreements) for r in ok)}."]
+    lines += ["", "| library | class or config | tensors | Muon | kinds | fused split | decided by trace / by fallback | "
+              "forward splits / made | final layers on AdamW | read (ms) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r.built and not r.refused:
+            ks = ", ".join(f"{k} {n}" for k, n in sorted(r.kinds.items()))
+            why = r.trace_error.split(':')[0] if r.trace_error else ""
+            by = f"{r.by_trace} / {r.by_fallback}" + (f" ({why})" if why else "")
+            lines.append(f"| {r.library} | {r.family}{'' if r.tiny else ' (default widths)'} | {r.tensors} | {r.muon} | "
+                         f"{ks} | {'; '.join(r.fused)} | {by} | {r.forward_splits} / {r.splits_made} | "
+                         f"{r.finals_adamw} / {r.finals} | {r.trace_ms:.0f} |")
+    dis = [(r.library, r.family, d) for r in rows for d in r.disagreements]
+    if dis:
+        lines += ["", "| library | class or config | disagreement |", "| --- | --- | --- |"]
+        lines += [f"| {lib} | {f} | {d} |" for lib, f, d in dis]
+    unread = [r for r in rows if r.built and not r.refused and r.trace_error]
+    if unread:
+        lines += ["", "| library | class or config | forward not read: why (decided by the fallback rules) |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {r.library} | {r.family} | {_unread_why(r).replace('|', '/')} |" for r in unread]
+    lines += ["", "| library | class or config | refused or not built: why |", "| --- | --- | --- |"]
+    lines += [f"| {r.library} | {r.family} | {'refused: ' if r.refused else 'does not build: '}"
+              f"{r.error.replace('|', '/')} |" for r in rows if not r.built or r.refused]
+    return "\n".join(lines)
+
+
+def _unread_why(r: Row) -> str:
+    """Why a forward was not read: where no input candidate ran, the first candidate's error (the guess's own
+    error says only that it was a guess)."""
+    mark = "no candidate from the signature ran: "
+    if mark in r.inputs:
+        return "inputs not found: " + r.inputs.split(mark, 1)[1].rstrip(")")[:160]
+    return r.trace_error
+
+
+def _version(lib: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(lib)
+    except Exception:  # noqa: BLE001
+        return ""
+
+
 def _reading_cost(ok: List[Row]) -> str:
     ms = sorted(r.trace_ms for r in ok if not r.trace_error)
     if not ms:
@@ -338,8 +728,28 @@ def main(argv=None) -> int:
     ap.add_argument("--read", type=int, default=None, help="read the forward of this many seeded families "
                     "(default: all)")
     ap.add_argument("--markdown", help="write the table to this file")
+    ap.add_argument("--beyond", help="comma-separated libraries beyond transformers (diffusers, litgpt): census "
+                    "these only, and write their section of --markdown (the transformers section is kept)")
+    ap.add_argument("--sample", type=int, default=None, help="with --beyond: this many seeded classes or configs "
+                    "of each library (default: all)")
     args = ap.parse_args(argv)
     t0 = time.time()
+    if args.beyond:
+        rows = census_beyond(args.beyond.split(","), args.only.split(",") if args.only else None, args.seed,
+                             args.sample)
+        text = table_beyond(rows)
+        print(text)
+        print(f"\n({time.time() - t0:.0f} s)", file=sys.stderr)
+        if args.markdown:
+            try:
+                with open(args.markdown) as f:
+                    old = f.read()
+            except FileNotFoundError:
+                old = ""
+            head = old.split(BEYOND_HEADING)[0].rstrip()
+            with open(args.markdown, "w") as f:
+                f.write((head + "\n\n" if head else "") + text + "\n")
+        return 0
     rows = census(args.only.split(",") if args.only else None, args.step, args.seed, args.read)
     text = table(rows)
     print(text)

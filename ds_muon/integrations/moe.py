@@ -101,7 +101,7 @@ def tag_deepspeed_moe(model: nn.Module) -> int:
     return len(experts)
 
 
-PER_TENSOR = ("param_names", "param_tags", "param_reasons")  # group keys with one entry per tensor
+PER_TENSOR = ("param_names", "param_tags", "param_reasons", "param_evidence")  # group keys with one entry per tensor
 
 
 def split_moe_groups(groups: List[dict]) -> List[dict]:

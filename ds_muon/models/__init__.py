@@ -3,6 +3,8 @@
 * :mod:`.trace` — what the forward does with each parameter, read once on a meta copy of the model
   (consuming ops, input layers, heads, how each output is split); :mod:`.wrappers` — the module behind
   DDP, ``torch.compile``, PEFT, DeepSpeed's engine, so the wrapper cannot change a decision;
+* :mod:`.meta` — the model's meta copy and what a meta forward needs (shared by the trace and the input search);
+* :mod:`.equations` — which matrix an ``einsum``/``tensordot`` applies with a parameter (in, out and stack axes);
 * :mod:`.kinds` — one decision per tensor (kind, Muon or AdamW, why, its blocks) from module semantics
   and the model's ends; :mod:`.config` — expert counts and head layouts from the config;
 * :mod:`.fused` — fused projections' blocks (q|k|v, gate|up, interleaved heads), keyed by module class;

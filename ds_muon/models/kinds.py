@@ -16,6 +16,11 @@ what the model says about itself, in this order:
    projections are split in blocks whose sizes the config gives (:mod:`ds_muon.models.fused`);
 4. names, only as a fallback: ``head_names`` for models without that API (or when given).
 
+The traced forward (:mod:`.trace`) refines it: lookups are embeddings, a conv reading the input is an input
+layer, the final output layer of every model takes AdamW, raw parameters applied as linear maps (per expert,
+or through an equation: :mod:`.equations`) take Muon, and the blocks a forward splits an output into are
+orthogonalized apart.  Each decision records its evidence (``decided_by``: trace, config, module type, name).
+
 Every path reads it: :func:`ds_muon.muon_param_groups` (plain models, FSDP2, ZeRO-3 ``zero.Init``
 through ``ds_shape``, accelerate and the Trainer, which call it) and the FSDP1 adapter, which asks
 :meth:`Rules.decide` about each original tensor of a flat parameter.
@@ -38,6 +43,7 @@ from .experts import STACK_NAMES, is_fused_experts, is_router, mark_routers, sta
 from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
 from . import config as cfg
 from .adapters import base_layer_of, lora_factors, saved_copies
+from .equations import layout
 from .trace import Trace, Use, trace as trace_forward
 from .wrappers import unwrap_model
 
@@ -61,6 +67,7 @@ KINDS: Dict[str, str] = {  # kind -> default optimizer
 MUON_KINDS = frozenset(k for k, o in KINDS.items() if o == "Muon")
 
 HIDDEN_MATRIX = "hidden matrix"  # the reason of a Muon tensor (summary); details follow after ", "
+ONE_MATRIX = "one matrix"  # the plan of an N-D tensor an equation applies as one [shape[0], rest] matrix
 HEAD_NAMES: Tuple[str, ...] = ("lm_head", "head", "output", "classifier")
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 NORM_WORDS = ("norm", "Norm")
@@ -76,7 +83,8 @@ class Decision:
     muon: bool
     reason: str
     plan: Optional[FusedPlan] = None
-    decided_by: str = "config/module"  # "trace" (what the forward does), "config/module", or "name"
+    decided_by: str = "module type"  # the evidence: "trace" (what the forward does), "config" (the config and the
+    # model's own API for its ends), "module type", or "name" (the fallback)
 
 
 def is_conv1d_transformers(module: nn.Module) -> bool:
@@ -235,8 +243,10 @@ class Rules:
         ``F.multi_head_attention_forward`` hides its inner linears)."""
         if use is None:
             return d
+        if len(shape) < 2:
+            return d  # its shape decided
         traced = replace(d, decided_by="trace")
-        if len(shape) < 2 or d.kind in (VECTOR, DEPTHWISE, ROUTER):
+        if d.kind in (VECTOR, DEPTHWISE, ROUTER):
             return traced
         if "embedding" in use.ops and not use.matrix:
             return traced if d.kind == EMBEDDING else Decision(EMBEDDING, False, f"{EMBEDDING} (looked up: traced)",
@@ -247,13 +257,13 @@ class Rules:
             # a conv reading the input is a stem (pixels, audio); a Linear reading a config-less model's
             # input may read features the user's pipeline made, and stays a hidden map
             return Decision(INPUT_LAYER, False, "input layer (reads the model's input: traced)", decided_by="trace")
-        named_head = module_name.rsplit(".", 1)[-1] in self.head_names
-        if use.head and (d.muon or d.kind == RAW) and (self.hf or use.pooled_input or named_head):
-            # without a config, a weight making the output is a head where it classifies pooled features or
-            # picked tokens (ResNet's fc, a ViT's head on x[:, 0]) or is named one; the last layer of a plain
-            # stack of layers stays a hidden map
+        if use.head and (d.muon or d.kind == RAW):
+            # the final output layer (Muon's own rule: input embedding and final layer on AdamW): the weight
+            # whose output reaches the model's output with no other weight after it, for every model
             return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} (its output is the model's output: traced)",
                             decided_by="trace")
+        if d.kind == RAW and (use.applied is not None or use.applied_unread):
+            return self._applied(use, shape)
         tagged = param is not None and any(getattr(param, a, None) for a in (EXPERTS, SPLIT_ROWS, BLOCKS,
                                                                              TENSOR_PARALLEL))
         if d.kind == RAW and use.ops & {"linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "grouped_mm"}:
@@ -265,6 +275,9 @@ class Rules:
                                 plan, decided_by="trace")
             if plan is not None:
                 return Decision(FUSED_BLOCK, True, f"{HIDDEN_MATRIX}, {plan.what} apart (traced)", plan, "trace")
+            if use.stored_in_out:  # x @ W: stored [in, out], its scale read from [out, in]
+                return Decision(HIDDEN_LINEAR, True, f"{HIDDEN_MATRIX}, stored [in, out] (applied as a linear map: "
+                                "traced)", FusedPlan({}, ONE_MATRIX, transposed=True), "trace")
             return Decision(HIDDEN_LINEAR, True, f"{HIDDEN_MATRIX} (applied as a linear map: traced)", None, "trace")
         if not d.muon or not use.blocks or d.kind == CONV or not self.split_fused or tagged:
             return traced
@@ -290,6 +303,29 @@ class Rules:
             return traced
         kind = EXPERT if plan.experts else FUSED_BLOCK
         return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart (traced)", plan, decided_by="trace")
+
+    def _applied(self, use: Use, shape) -> Decision:
+        """A raw parameter applied through an equation (``einsum``, ``tensordot``, a reshaped view): Muon on
+        the ``[out, in]`` matrix the equation applies, per stack member (:mod:`ds_muon.models.equations`),
+        where the engine's ``[shape[0], rest]`` layout holds it; AdamW, saying why, where not."""
+        a = use.applied
+        if use.applied_unread or a is None:
+            return Decision(RAW, False, f"{RAW} ({use.applied_unread}: traced)", decided_by="trace")
+        lay = layout(a)
+        if lay is None:
+            return Decision(RAW, False, f"{RAW} ({a.equation!r} applies it as {a.describe(shape)}, which a "
+                                        f"{tuple(shape)} tensor held as [shape[0], rest] cannot be: traced)",
+                            decided_by="trace")
+        plan = None
+        if lay.experts or lay.transposed:
+            plan = FusedPlan({}, "experts" if lay.experts else ONE_MATRIX, transposed=lay.transposed,
+                             experts=lay.experts)
+        elif len(shape) > 2:
+            plan = FusedPlan({}, ONE_MATRIX)
+        stored = ", stored [in, out]" if lay.transposed else ""
+        return Decision(EXPERT if lay.experts else HIDDEN_LINEAR, True,
+                        f"{HIDDEN_MATRIX}, {a.describe(shape)} applied by {a.equation!r}{stored} (traced)", plan,
+                        decided_by="trace")
 
     def _traced_plan(self, use: Use, shape, stack: bool, module_name: str, pname: str) -> Optional[FusedPlan]:
         """The blocks the forward split the output into, as a :class:`FusedPlan` (rows of an ``[out, in]``
@@ -338,32 +374,34 @@ class Rules:
             return Decision(VECTOR, False, f"{len(shape)}-D")
         mid = id(module)
         if mid in self.output_ids:
-            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD)
+            return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="config")
         if mid in self.input_ids:
-            return Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())")
+            return Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())", decided_by="config")
         if self.names_rule and module_name.rsplit(".", 1)[-1] in self.head_names:
             return Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="name")
         linear = is_linear(module) and pname == "weight"
         if linear or (isinstance(module, _ConvNd) and pname == "weight"):
             outs = int(module.nf if is_conv1d_transformers(module) else shape[0])
             if mid in self.head_region and (outs in self.labels or outs in self.vocab):
-                return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} ({outs} outputs: num_labels / vocab)")
+                return Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} ({outs} outputs: num_labels / vocab)",
+                                decided_by="config")
         if is_router(module) or (isinstance(module, nn.Linear) and pname == "weight" and shape[0] in self.experts):
+            by = "module type" if is_router(module) else "config"
             if self.routers == "adamw":
-                return Decision(ROUTER, False, ROUTER)
-            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
+                return Decision(ROUTER, False, ROUTER, decided_by=by)
+            return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX, decided_by=by)
         if isinstance(module, nn.RNNBase) and pname.startswith("weight_"):
             return self._recurrent(module, pname, shape)
         plan = self._fused(module, pname, shape, param)
         if plan is not None:
             kind = EXPERT if plan.experts or plan.what == "experts" else FUSED_BLOCK
-            return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart", plan)
+            return Decision(kind, True, f"{HIDDEN_MATRIX}, {plan.what} apart", plan, decided_by="config")
         if is_fused_experts(module) and pname in STACK_NAMES:
             return Decision(EXPERT, True, HIDDEN_MATRIX)
         if linear:
             ins = int(shape[0] if is_conv1d_transformers(module) else shape[1])
             if ins in self.widths and ins <= 4:
-                return Decision(INPUT_LAYER, False, f"input layer (reads {ins} input channels)")
+                return Decision(INPUT_LAYER, False, f"input layer (reads {ins} input channels)", decided_by="config")
             if self.split_fused and not tagged and self.config is not None:
                 owner, cname = self.parent.get(mid, (None, ""))
                 what = (looks_fused(owner, module, self.config, cname) if owner is not None and _attention(owner)
@@ -378,7 +416,8 @@ class Rules:
             return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX)
         if isinstance(module, _ConvNd) and pname == "weight":
             if module.in_channels in self.widths and module.in_channels <= 4:
-                return Decision(INPUT_LAYER, False, f"input layer (reads {module.in_channels} input channels)")
+                return Decision(INPUT_LAYER, False, f"input layer (reads {module.in_channels} input channels)",
+                                decided_by="config")
             if is_depthwise(module):
                 return Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)")
             return Decision(CONV, True, f"{HIDDEN_MATRIX}, conv")

@@ -179,12 +179,13 @@ def expert_weight(param: torch.Tensor, domain_group=None):
 
 
 def transposed(param: torch.Tensor):
-    """A 2-D weight stored as ``[in, out]`` (GPT-2's ``Conv1D``), or an :func:`expert_weight`
-    stack stored ``[E, in, out]``: its scale factor is read from ``[out, in]``.
+    """A 2-D weight stored as ``[in, out]`` (GPT-2's ``Conv1D``), an :func:`expert_weight`
+    stack stored ``[E, in, out]``, or an N-D weight stored ``[in, out…]`` (one ``[in, prod(out…)]``
+    matrix: an einsum's ``[D, H, hd]``): its scale factor is read from ``[out, in]``.
     Newton–Schulz needs nothing (orthogonalizing Gᵀ gives the transpose).
     :func:`ds_muon.muon_param_groups` tags ``Conv1D`` weights itself.  Returns ``param``."""
-    if len(global_shape(param)) != 2 and not getattr(param, EXPERTS, False):
-        raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is a 2-D [in, out] matrix "
+    if len(global_shape(param)) < 2:
+        raise ValueError(f"ds_muon.transposed: {_what(param)}; a transposed weight is an [in, out] matrix "
                          "(tag a stack [E, in, out] ds_muon.expert_weight first)")
     if getattr(param, SPLIT_ROWS, None) is not None and getattr(param, BLOCKS, None) is None:
         raise NotImplementedError("ds_muon.transposed: row blocks of an [in, out] weight would split the wrong "

@@ -6,12 +6,15 @@ under a ``TorchFunctionMode`` that follows every tensor the forward makes.  For 
 records (:class:`Use`):
 
 * the ops that consume it: a linear map (``linear``, ``matmul``, ``bmm``, ``addmm``, ``baddbmm``, ``conv``,
-  ``einsum``, grouped mm over a 3-D expert stack, a gathered expert stack), a lookup (``embedding``), or
-  anything else (elementwise, gathered rows);
+  ``einsum``, ``tensordot``, grouped mm over a 3-D expert stack, a gathered expert stack), a lookup
+  (``embedding``), or anything else (elementwise, gathered rows);
 * how it is stored: ``[out, in]`` (``F.linear``) or ``[in, out]`` (``x @ W``), per expert for a 3-D stack;
+  for an equation (``einsum``, ``tensordot``, a linear map of a reshaped view) the role of each stored axis,
+  read from the equation and the view's strides (:mod:`.equations`);
 * whether its input is the model's input with no weight in between (an input layer: stems, patch
   embeddings) and whether its output reaches the model's output with no other weight and no mixing
-  with other tensors (a head);
+  with another weight's output after it (the final output layer; every tensor of the output counts,
+  whatever holds it: :func:`_outputs`);
 * how its output is split: every ``chunk``/``split``/``unbind``/slice of its output (after any
   ``view``/``reshape``/``permute`` exposing a block axis) is replayed on a small integer *companion*
   tensor holding each element's output-feature index, so the blocks and their interleaving are exact
@@ -24,23 +27,24 @@ with ``error`` set and no uses: the caller falls back to the config/module rules
 
 from __future__ import annotations
 
-import copy
-import inspect
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..engine.exchange.layout import global_shape
+from .equations import Applied, read as read_equation, tensordot_equation
+from .meta import (_SCALARS, _configs, _fake_scalar, _name, _plain_class, _rebuild, _tensor_memo,  # noqa: F401
+                   _to_meta, all_nonzero, meta_copy)  # re-exported: where they lived
+from .inputs import SEQ, default_inputs  # noqa: F401 - re-exported: the inputs one forward runs on
 
-MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "grouped_mm")
+MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "tensordot", "grouped_mm")
 COMPANION_CAP = 1 << 21  # elements of a companion tensor (int32): beyond, splits of that output are not read
 CONV_COMPANION_CAP = 1 << 16  # the same for conv outputs (feature maps: large, and rarely split)
-SEQ = 8  # the default example sequence
 
 
 @dataclass
@@ -56,6 +60,8 @@ class Use:
     pooled_input: bool = False  # its input was pooled or had tokens picked since the last weight (a classifier)
     features: int = 0  # output features of the matrix the forward applies
     blocks: Optional[List[List[int]]] = None  # the output features of each block, when the output is split
+    applied: Optional[Applied] = None  # the map an equation (einsum, tensordot, a reshaped view) applies with it
+    applied_unread: str = ""  # why such a use could not be read as one map (the equation, or two that differ)
 
     @property
     def matrix(self) -> bool:
@@ -71,187 +77,6 @@ class Trace:
     error: str = ""
     ms: float = 0.0
     inputs: str = ""
-
-
-# -- example inputs ---------------------------------------------------------------------------------
-def _int(v) -> Optional[int]:
-    if isinstance(v, (list, tuple)) and v:
-        v = v[0]
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-
-def default_inputs(model: nn.Module):
-    """``(args, kwargs, description)`` for one forward: from the config (``main_input_name``: token ids,
-    pixel values at the config's image size and channels, audio), else a guess from the first layer
-    (an image for a conv stem or a patch embedding with ``img_size``, token ids for an embedding, hidden
-    features for a linear)."""
-    config = getattr(model, "config", None)
-    kwargs: Dict[str, Any] = {}
-    if config is not None and hasattr(config, "to_dict"):
-        main = getattr(model, "main_input_name", "input_ids")
-        sub = getattr(config, "vision_config", None) or config
-        if main == "pixel_values":
-            size = _int(getattr(sub, "image_size", None)) or _int(getattr(config, "image_size", None)) or 224
-            ch = _int(getattr(sub, "num_channels", None)) or _int(getattr(config, "num_channels", None)) or 3
-            kwargs[main] = torch.zeros(1, ch, size, size)
-        elif main == "input_values":
-            kwargs[main] = torch.zeros(1, 16000)
-        elif main == "input_features":
-            kwargs[main] = _features(model, config)
-        elif main == "input_ids":
-            kwargs[main] = torch.zeros(1, SEQ, dtype=torch.long)
-        else:
-            raise LookupError(f"no example for main_input_name={main!r}: pass example_inputs=")
-        params = _forward_params(model)
-        if "decoder_input_ids" in params and main != "decoder_input_ids":
-            kwargs["decoder_input_ids"] = torch.zeros(1, SEQ, dtype=torch.long)
-        if "use_cache" in params or "kwargs" in params:
-            kwargs["use_cache"] = False
-        return (), kwargs, f"{main} from the config"
-    return _guess(model)
-
-
-def _features(model, config) -> torch.Tensor:
-    """Audio features: ``[1, mel bins, frames]`` where a conv reads the bins as channels (Whisper, at
-    twice its ``max_source_positions`` frames), else ``[1, frames, features]``."""
-    subs = [config] + [v for v in vars(config).values() if hasattr(v, "to_dict")]
-    mel = frames = None
-    for c in subs:
-        mel = mel or next((_int(getattr(c, k, None)) for k in ("num_mel_bins", "feature_size", "input_feat_per_channel",
-                                                              "input_dim") if _int(getattr(c, k, None))), None)
-        frames = frames or _int(getattr(c, "max_source_positions", None))
-    if mel is None:
-        raise LookupError("no feature width in the config: pass example_inputs=")
-    frames = 2 * frames if frames else 32
-    conv = next((m for m in model.modules() if isinstance(m, nn.Conv1d)), None)
-    if conv is not None and conv.in_channels == mel:
-        return torch.zeros(1, mel, frames)
-    return torch.zeros(1, frames, mel)
-
-
-def _forward_params(model) -> Set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _guess(model: nn.Module):
-    size = None
-    for m in model.modules():  # timm's PatchEmbed keeps img_size
-        s = getattr(m, "img_size", None) or getattr(m, "image_size", None)
-        if s is not None:
-            size = _int(s)
-            break
-    for m in model.modules():
-        if isinstance(m, nn.modules.conv._ConvNd):
-            d = len(m.kernel_size)
-            n = size or (64 if d == 2 else 32)
-            return (torch.zeros(1, m.in_channels, *([n] * d)),), {}, f"a {d + 2}-D input of {m.in_channels} channels"
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            return (torch.zeros(1, SEQ, dtype=torch.long),), {}, "token ids"
-        if isinstance(m, nn.Linear):
-            return (torch.zeros(1, SEQ, m.in_features),), {}, f"features of width {m.in_features}"
-    raise LookupError("no conv, embedding or linear to guess an input from: pass example_inputs=")
-
-
-def _to_meta(obj):
-    if isinstance(obj, torch.Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if isinstance(obj, dict):
-        return {k: _to_meta(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_meta(v) for v in obj)
-    return obj
-
-
-# -- the meta copy ----------------------------------------------------------------------------------
-def _tensor_memo(model: nn.Module) -> Dict[int, Any]:
-    """Meta stand-ins for every parameter, buffer and plain tensor attribute of ``model``'s modules."""
-    memo: Dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty(global_shape(p), dtype=p.dtype, device="meta"),
-                                   requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty(global_shape(b), dtype=b.dtype, device="meta")
-    for m in model.modules():
-        for v in vars(m).values():  # views FSDP1 keeps as attributes, cached tables
-            if isinstance(v, torch.Tensor) and id(v) not in memo:
-                memo[id(v)] = torch.empty(global_shape(v), dtype=v.dtype, device="meta")
-    return memo
-
-
-def meta_copy(model: nn.Module, memo: Optional[Dict[int, Any]] = None) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors of their global shape (ZeRO-3's
-    ``ds_shape``, a DTensor's full shape), without hooks; the original's data is never copied or touched.
-    A deep copy where the model allows one, else (FSDP2 refuses deep copies) a rebuild of the module tree
-    that shares only the modules' non-tensor attributes (configs are copied)."""
-    memo = dict(memo or {})
-    memo.update({k: v for k, v in _tensor_memo(model).items() if k not in memo})
-    try:
-        out = copy.deepcopy(model, dict(memo))
-    except Exception:  # noqa: BLE001 - a module refusing deepcopy
-        out = _rebuild(model, memo, {})
-    for m in out.modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-            d = getattr(m, attr, None)
-            if isinstance(d, dict):
-                d.clear()
-    for c in _configs(out):  # the experts implementation that needs no real routing
-        if hasattr(c, "_experts_implementation"):
-            try:
-                c._experts_implementation = "batched_mm"
-            except Exception:  # noqa: BLE001 - a config refusing it keeps its own
-                pass
-    return out
-
-
-def _plain_class(cls):
-    """FSDP2's ``fully_shard`` swaps a module's class for ``FSDP<cls>(FSDPModule, cls)``: the user's class."""
-    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
-        return cls.__bases__[1]
-    return cls
-
-
-def _rebuild(m: nn.Module, memo: Dict[int, Any], done: Dict[int, nn.Module]) -> nn.Module:
-    if id(m) in done:
-        return done[id(m)]
-    new = object.__new__(_plain_class(type(m)))
-    done[id(m)] = new
-    state = dict(vars(m))
-    for k, v in state.items():
-        if isinstance(v, torch.Tensor):
-            state[k] = memo.get(id(v), v)
-        elif hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a config: its own copy
-            if id(v) not in memo:
-                memo[id(v)] = copy.deepcopy(v)
-            state[k] = memo[id(v)]
-    state["_parameters"] = {k: (None if p is None else memo[id(p)]) for k, p in m._parameters.items()}
-    state["_buffers"] = {k: (None if b is None else memo[id(b)]) for k, b in m._buffers.items()}
-    state["_modules"] = {k: (None if c is None else _rebuild(c, memo, done)) for k, c in m._modules.items()}
-    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                 "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_state_dict_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
-                 "_load_state_dict_post_hooks"):
-        if attr in state:
-            state[attr] = type(state[attr])()
-    new.__dict__.update(state)
-    return new
-
-
-def _configs(model):
-    seen, out = set(), []
-    for m in model.modules():
-        c = getattr(m, "config", None)
-        if c is not None and hasattr(c, "to_dict") and id(c) not in seen:
-            seen.add(id(c))
-            out.append(c)
-            for v in vars(c).values():
-                if hasattr(v, "to_dict") and id(v) not in seen:
-                    seen.add(id(v))
-                    out.append(v)
-    return out
 
 
 # -- the tracing mode -------------------------------------------------------------------------------
@@ -282,13 +107,6 @@ _CAT = {"cat", "concat", "concatenate", "stack"}
 _POOLS = {"mean", "sum", "amax", "amin", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
           "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
           "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices"}
-
-
-def _name(func) -> str:
-    n = getattr(func, "__name__", "") or ""
-    if n == "__get__":  # properties (Tensor.T, .mT) arrive as their getter
-        n = getattr(getattr(func, "__self__", None), "__name__", n)
-    return n
 
 
 class _Recorder(TorchFunctionMode):
@@ -361,8 +179,9 @@ class _Recorder(TorchFunctionMode):
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         fi = self.get(first) if first is not None else _Info()
         if fi.param and len(flat_in) >= 1 and flat_in[0] is first and name in (_VIEWS | _SAME | _PIECES | {"T", "mT"}):
-            transposed = fi.transposed ^ (name in ("t", "T", "mT") or (name in ("transpose", "swapaxes") and
-                                                                          _last_two(args, first)))
+            transposed = fi.transposed ^ (name in ("t", "T", "mT") or (name in ("transpose", "swapaxes", "swapdims")
+                                                                          and _last_two(args, first))
+                                          or (name == "permute" and _swaps_last_two(args, first)))
             gathered = fi.gathered or (name == "__getitem__" and first.ndim >= 3 and _first_axis_index(args))
             for o in outs:
                 self.put(o, _Info(param=fi.param, transposed=transposed, gathered=gathered))
@@ -376,7 +195,7 @@ class _Recorder(TorchFunctionMode):
         raw = any(i.raw for i in infos) and not weighted
         pooled = any(i.pooled for i in infos) or name in _POOLS or (
             name in ("__getitem__", "select") and first is not None and outs[0].ndim < first.ndim)
-        heads = _merge_heads([i.heads for i in infos])
+        heads = _merge_heads(infos)
         comps = [(a, i.comp) for a, i in zip(flat_in, infos) if i.comp is not None]
         comp_out: List[Optional[Tuple[str, torch.Tensor]]] = [None] * len(outs)
         if comps:
@@ -406,20 +225,8 @@ class _Recorder(TorchFunctionMode):
                 op, data, w, in_out, feat_axis = name, y, x, False, -2
         elif name in ("_grouped_mm", "grouped_mm"):
             op, data, w, in_out = "grouped_mm", a[0], a[1], True
-        elif name == "einsum":
-            ts = [t for t in tree_flatten(args[1:])[0] if isinstance(t, torch.Tensor)]
-            for t in ts:
-                if self.get(t).param:
-                    self.use(self.get(t).param).ops.add("einsum")
-            if any(self.get(t).param for t in ts):
-                o = out if isinstance(out, torch.Tensor) else None
-                infos = [self.get(t) for t in ts]
-                self.put(o, _Info(weighted=True))
-                for t, i in zip(ts, infos):
-                    if i.param and any(j.raw for j in infos):
-                        self.use(i.param).input_layer = True
-                return "einsum"
-            return None
+        elif name in ("einsum", "tensordot"):
+            return self._equation(name, args, kwargs, out)
         if op is None or not isinstance(w, torch.Tensor):
             return None
         wi, di = self.get(w), self.get(data)
@@ -428,6 +235,18 @@ class _Recorder(TorchFunctionMode):
         u = self.use(wi.param)
         u.ops.add(op)
         shape = self.shapes[wi.param]
+        if op in ("linear", "matmul", "mm", "addmm") and w.ndim == 2 and len(shape) != 2:
+            # a reshaped view applied as a matrix ([H, hd, D] as [H·hd, D]): which stored axes are in and out
+            if op == "linear" or in_out:  # x W^T, x W: the parameter is the second operand
+                eq, ranks, k = ("...i,oi->...o" if op == "linear" else "...i,io->...o"), [data.ndim, 2], 1
+            else:  # W x
+                eq, ranks, k = ("oi,i->o" if data.ndim == 1 else "oi,...in->...on"), [2, data.ndim], 0
+            self._read(u, eq, ranks, k, w, wi.param)
+            if di.raw:
+                u.input_layer = True
+            self.put(out if isinstance(out, torch.Tensor) else None,
+                     _Info(weighted=True, heads=frozenset({wi.param})))
+            return op
         stored = in_out ^ wi.transposed
         if op != "conv":
             u.stored_in_out = stored if u.stored_in_out is None else (u.stored_in_out if u.stored_in_out == stored
@@ -452,6 +271,44 @@ class _Recorder(TorchFunctionMode):
             comp = (wi.param, idx.view(sh).expand(tuple(o.shape)).contiguous())
         self.put(o, _Info(weighted=True, heads=frozenset({wi.param}), comp=comp))
         return op
+
+    def _equation(self, name, args, kwargs, out):
+        """``einsum``/``tensordot`` with a parameter: the map its equation applies (:mod:`.equations`)."""
+        if name == "einsum":
+            eq = args[0] if args and isinstance(args[0], str) else kwargs.get("equation")
+            ts = [t for t in tree_flatten((args[1:], kwargs.get("operands", ())))[0] if isinstance(t, torch.Tensor)]
+        else:
+            ts = [t for t in (list(args[:2]) + [kwargs.get("a"), kwargs.get("b")]) if isinstance(t, torch.Tensor)][:2]
+            dims = args[2] if len(args) > 2 else kwargs.get("dims", 2)
+            eq = tensordot_equation(ts[0].ndim, ts[1].ndim, dims) if len(ts) == 2 else None
+        infos = [self.get(t) for t in ts]
+        params = [k for k, i in enumerate(infos) if i.param]
+        if not params:
+            return None
+        for k in params:
+            u = self.use(infos[k].param)
+            u.ops.add(name)
+            self._read(u, eq, [t.ndim for t in ts], k, ts[k], infos[k].param)
+            others = [j for n, j in enumerate(infos) if n != k]
+            if any(j.raw for j in others) and not any(j.weighted for j in others):
+                u.input_layer = True
+            if any(j.pooled for j in others):
+                u.pooled_input = True
+        heads = frozenset({infos[params[0]].param}) if len(params) == 1 else frozenset()
+        self.put(out if isinstance(out, torch.Tensor) else None, _Info(weighted=True, heads=heads))
+        return name
+
+    def _read(self, u: Use, eq, ranks, k: int, t: torch.Tensor, pname: str) -> None:
+        """Record the map ``eq`` applies with operand ``k`` (``t``, a view of parameter ``pname``)."""
+        shape = self.shapes[pname]
+        spans = _spans(t, shape) if isinstance(eq, str) else None
+        a = read_equation(eq, ranks, k, spans, len(shape)) if spans is not None else None
+        if a is None:
+            u.applied_unread = u.applied_unread or f"{eq!r} does not apply it as a linear map of its input"
+        elif u.applied is not None and u.applied.roles != a.roles:
+            u.applied_unread = f"{u.applied.equation!r} and {eq!r} apply it as different maps"
+        elif u.applied is None:
+            u.applied = a
 
     def _follow(self, name, func, args, kwargs, flat_in, infos, comps, outs):
         """The companion of each output (None where the op mixes features or is not a rearrangement)."""
@@ -550,23 +407,6 @@ class _Recorder(TorchFunctionMode):
         return self.uses
 
 
-_SCALARS = {"item", "__bool__", "tolist", "__int__", "__float__", "__index__", "__len__"}
-
-
-def _fake_scalar(name: str, t: torch.Tensor):
-    """What a data-dependent read of a meta tensor gets: true, one, zero (the forward's common paths: no
-    padding, no packed sequences, one of each)."""
-    if name == "__len__":
-        return int(t.shape[0])
-    if name == "tolist":
-        return torch.ones(t.shape, dtype=torch.long).tolist()
-    if name == "__bool__" or t.dtype == torch.bool:
-        return True
-    if name == "__float__" or t.is_floating_point():
-        return 0.0
-    return 1
-
-
 def _present(comp: torch.Tensor, n: int) -> torch.Tensor:
     """Which of the ``n`` output features a companion holds (a mask)."""
     return torch.bincount(comp.reshape(-1).long(), minlength=n)[:n] > 0
@@ -580,6 +420,15 @@ def _last_two(args, t) -> bool:
     return sorted(d % nd for d in dims) == [nd - 2, nd - 1]
 
 
+def _swaps_last_two(args, t) -> bool:
+    """``permute(dims)`` that swaps the last two axes and keeps the others (a 2-D ``w.permute(1, 0)``)."""
+    dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    nd = t.ndim
+    if len(dims) != nd or nd < 2 or not all(isinstance(d, int) for d in dims):
+        return False
+    return [d % nd for d in dims] == list(range(nd - 2)) + [nd - 1, nd - 2]
+
+
 def _first_axis_index(args) -> bool:
     """``W[idx]`` / ``W[e]``: rows of the first axis of a stack picked (per expert)."""
     if len(args) < 2:
@@ -590,29 +439,58 @@ def _first_axis_index(args) -> bool:
     return isinstance(idx, (int, torch.Tensor))
 
 
-def _merge_heads(sets) -> frozenset:
-    nonempty = {s for s in sets if s}
-    return next(iter(nonempty)) if len(nonempty) == 1 else frozenset()
+def _spans(t: torch.Tensor, shape) -> Optional[List[Tuple[int, ...]]]:
+    """The axes of the contiguous stored ``shape`` that each axis of ``t`` spans, where ``t`` is a view of
+    it (reshaped, permuted: read from its strides); None where it is not (a slice, an expanded view)."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    if t.numel() != numel or t.layout != torch.strided:
+        return None
+    stored, st = [], 1
+    for n in reversed(shape):
+        stored.insert(0, (st, st * int(n)))
+        st *= int(n)
+    axes = sorted((int(s), int(n), k) for k, (n, s) in enumerate(zip(t.shape, t.stride())) if n > 1)
+    expect = 1
+    for s, n, _ in axes:
+        if s != expect:
+            return None
+        expect *= n
+    spans: List[Tuple[int, ...]] = [()] * t.ndim
+    for s, n, k in axes:
+        spans[k] = tuple(j for j, (lo, hi) in enumerate(stored) if hi > lo and lo < s * n and hi > s)
+    return spans
 
 
-def _outputs(out) -> List[torch.Tensor]:
-    """The tensors heads produce: a plain tensor output, the first tensor of a tuple, a model output's
-    ``logits``; none for feature maps (a dict of them, a ``last_hidden_state``)."""
+def _merge_heads(infos) -> frozenset:
+    """The weight whose output this is: the one every weighted input comes from alone (a bias, a cast, a
+    constant keep it; a residual stream or another weight's output added to it mixes it away)."""
+    sets = {i.heads for i in infos if i.heads or i.weighted}
+    return next(iter(sets)) if len(sets) == 1 else frozenset()
+
+
+CACHES = ("past_key_values", "cache", "mems")  # output fields that are the forward's saved state, not its output
+
+
+def _outputs(out, field: str = "") -> List[torch.Tensor]:
+    """Every tensor the model outputs, whatever holds it: a tensor, a tuple or list, a mapping, a dataclass
+    (transformers' ``ModelOutput``, diffusers' ``BaseOutput``, any ``@dataclass``), nested; fields named as
+    caches (``past_key_values``, ``mems``: keys and values saved for the next call) are not outputs."""
+    if any(c in str(field).lower() for c in CACHES):
+        return []
     if isinstance(out, torch.Tensor):
         return [out]
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        for k in ("logits", "prediction_logits", "logits_per_image"):
-            try:
-                v = out[k]
-            except (KeyError, TypeError, IndexError):
-                continue
-            if isinstance(v, torch.Tensor):
-                return [v]
-        return []
+    if hasattr(out, "keys") and hasattr(out, "__getitem__") and not isinstance(out, type):
+        try:
+            return [t for k in list(out.keys()) for t in _outputs(out[k], k)]
+        except (KeyError, TypeError, IndexError):
+            return []
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in _outputs(getattr(out, f.name, None), f.name)]
     if isinstance(out, (list, tuple)):
-        for v in out:
-            if isinstance(v, torch.Tensor):
-                return [v]
+        names = getattr(out, "_fields", None) or [""] * len(out)
+        return [t for k, v in zip(names, out) for t in _outputs(v, k)]
     return []
 
 
@@ -645,7 +523,7 @@ def trace(model: nn.Module, example_inputs=None) -> Trace:
                 rec.mark_input(t)
             elif isinstance(t, torch.Tensor):
                 rec.put(t, _Info())  # ids: rows are looked up, not read as features
-        with torch.no_grad(), rec:
+        with torch.no_grad(), all_nonzero(), rec:
             out = shadow(*args, **kwargs)
         uses = rec.finish(_outputs(out))
         alias = {}

@@ -44,6 +44,7 @@ class TensorRow:
     reason: str
     shape: Tuple[int, ...]  # as the optimizer sees it (a ZeRO/FSDP1 flat shard is 1-D)
     matrices: Tuple[MatrixRow, ...] = ()
+    evidence: str = ""  # what decided it: trace, config, module type, name, include=/exclude= ("": not recorded)
 
 
 @dataclass(frozen=True)
@@ -151,15 +152,15 @@ class Summary:
                 f"{self.adamw_tensors} AdamW; world {self.world_size} (computed on rank {self.rank}), mode "
                 f"{self.mode}, planner {self.planner}, {self.waves} wave(s)"
                 + (f", {self.domains} domains" if self.domains > 1 else "") + (f"\n{self.ns}" if self.ns else ""))
-        table = [("tensor", "algo", "why", "shape", "matrix", "rows x cols", "scale", "home")]
+        table = [("tensor", "algo", "why", "by", "shape", "matrix", "rows x cols", "scale", "home")]
         for t in self.tensors:
             shape = "x".join(map(str, t.shape))
             single = len(t.matrices) == 1 and t.matrices[0].key == t.name
             first = t.matrices[0] if single else None
-            table.append((t.name, t.algorithm, t.reason, shape, *(_matrix_cells(first, t.name) if first else
+            table.append((t.name, t.algorithm, t.reason, t.evidence, shape, *(_matrix_cells(first, t.name) if first else
                           ("", "", "", "") if not t.matrices else (f"{len(t.matrices)} matrices:", "", "", ""))))
             if not single:
-                table.extend(("", "", "", "", *_matrix_cells(m, t.name)) for m in t.matrices)
+                table.extend(("", "", "", "", "", *_matrix_cells(m, t.name)) for m in t.matrices)
         ranks = [("rank", "NS matrices", "NS GFLOP", "sent", "received")]
         ranks += [(str(r.rank), str(r.matrices), f"{r.ns_flops / 1e9:.4g}", _bytes(r.bytes_sent),
                    _bytes(r.bytes_received)) for r in self.ranks] or [("all", PLANNED, "", "", "")]

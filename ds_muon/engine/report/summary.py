@@ -275,12 +275,15 @@ def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]
         count = len(names) if originals else len(g["params"])
         reasons = g.get("param_reasons")
         reasons = reasons if reasons and len(reasons) == count else None
+        evidence = g.get("param_evidence")
+        evidence = evidence if evidence and len(evidence) == count else None
         algo = "Muon" if g["use_muon"] else "AdamW"
         for k in range(count):
             why = reasons[k] if reasons else USER_GROUP
+            by = evidence[k] if evidence else ""
             if originals:
                 mats = tuple(by_name.get(names[k], ())) if g["use_muon"] else ()
-                rows.append(TensorRow(names[k], gi, algo, why, shapes.get(names[k], ()), mats))
+                rows.append(TensorRow(names[k], gi, algo, why, shapes.get(names[k], ()), mats, by))
                 continue
             p, mats = g["params"][k], ()
             b = bindings.get(id(p)) if g["use_muon"] else None
@@ -288,7 +291,7 @@ def _tensor_rows(opt, groups: List[dict], bindings, by_key: Dict[str, MatrixRow]
                 mats = tuple(by_key[s.key] for s in b.matrices if s.key in by_key)
                 algo = "Muon+AdamW" if _mixed(p, b) else "Muon"
             name = names[k] if names else f"param_groups[{gi}]['params'][{k}]"
-            rows.append(TensorRow(name, gi, algo, why, tuple(global_shape(p)), mats))
+            rows.append(TensorRow(name, gi, algo, why, tuple(global_shape(p)), mats, by))
     return rows
 
 

@@ -86,7 +86,7 @@ def _tensor(d, where: str, TensorRow, MatrixRow):
                      for k, m in enumerate(_list(d.get("matrices", []), f"{where}.matrices")))
     return TensorRow(_str(d["name"], f"{where}.name"), _int(d["group"], f"{where}.group"),
                      _str(d["algorithm"], f"{where}.algorithm"), _str(d["reason"], f"{where}.reason"),
-                     _ints(d["shape"], f"{where}.shape"), matrices)
+                     _ints(d["shape"], f"{where}.shape"), matrices, _str(d.get("evidence", ""), f"{where}.evidence"))
 
 
 def _rank(d, where: str, RankRow):

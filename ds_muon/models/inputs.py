@@ -327,24 +327,9 @@ class _Consumers(TorchFunctionMode):
         return None
 
 
-def _all_nonzero():
-    """``nonzero`` on meta tensors answers as if every element were nonzero (the trace's convention for
-    data-dependent reads: routing masks select every token), where this torch has the switch."""
-    import contextlib
-
-    try:
-        from torch.fx.experimental import _config
-
-        if hasattr(_config, "meta_nonzero_assume_all_nonzero"):
-            return _config.patch(meta_nonzero_assume_all_nonzero=True)
-    except ImportError:
-        pass
-    return contextlib.nullcontext()
-
-
 def _try(shadow: nn.Module, pos, kw):
     """Run ``shadow`` (a meta copy) on the candidate: ``(error or "", consumers)``."""
-    from .meta import _to_meta
+    from .meta import _to_meta, all_nonzero
 
     args = tuple(_to_meta(v) for _, v in pos)
     kwargs = _to_meta(kw)
@@ -352,7 +337,7 @@ def _try(shadow: nn.Module, pos, kw):
              if isinstance(t, torch.Tensor)}
     mode = _Consumers(names, {id(p) for p in shadow.parameters()})
     try:
-        with torch.no_grad(), _all_nonzero(), mode:
+        with torch.no_grad(), all_nonzero(), mode:
             shadow(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the next candidate follows what the layers wanted
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", mode.seen

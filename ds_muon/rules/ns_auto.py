@@ -95,6 +95,12 @@ def read_cpuinfo() -> Tuple[str, FrozenSet[str]]:
     if simulated:
         vendor, _, flags = simulated.rpartition(":")
         return vendor or "unknown", frozenset(flags.split())
+    return proc_cpuinfo()
+
+
+def proc_cpuinfo() -> Tuple[str, FrozenSet[str]]:
+    """(vendor, flags) of the CPU this process runs on (never simulated: the kernel forms and the bits
+    they keep are this machine's, :func:`ds_muon.rules.ns_kernels.family`)."""
     vendor, flags = "unknown", frozenset()
     try:
         with open("/proc/cpuinfo") as f:

@@ -40,6 +40,8 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
+from .ns_auto import proc_cpuinfo
+
 PRODUCTS = ("gram", "poly", "apply")
 FORMS = ("batched", "per_matrix")
 
@@ -104,19 +106,7 @@ def family(device_type: str = "cpu") -> str:
         return f"cuda:sm{major}{minor}"
     if device_type != "cpu":
         return device_type
-    vendor, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id":
-                    vendor = value.strip()
-                elif key == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    vendor, flags = proc_cpuinfo()
     isa = "amx" if "amx_bf16" in flags else torch.backends.cpu.get_cpu_capability().lower()
     return f"cpu:{vendor}:{isa}"
 

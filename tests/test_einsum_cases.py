@@ -121,7 +121,7 @@ def _reference(case: Case, w0: torch.Tensor, grad: torch.Tensor) -> torch.Tensor
     o = _prod([grad.shape[i] for i, r in enumerate(roles) if r == "out"])
     n = _prod([grad.shape[i] for i, r in enumerate(roles) if r == "in"])
     mats = g.reshape(s, o, n)
-    upd = torch.stack([ds_muon.newton_schulz(mats[k], dtype=torch.float32) for k in range(s)])
+    upd = torch.stack([ds_muon.newton_schulz(mats[k], dtype=torch.float32, method="auto") for k in range(s)])
     back = torch.empty_like(grad).permute(order)
     back.copy_(upd.reshape(back.shape))
     inverse = back.permute([order.index(i) for i in range(len(order))])

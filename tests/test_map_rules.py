@@ -103,7 +103,7 @@ def _muon(w0, matrix, back):
     """``w0`` after one Muon step whose NS input is ``matrix`` (the [out, in] map, a view of the gradient);
     ``back`` lays an [out, in] update out as the tensor is stored; also the update with the scale of the
     other orientation (what a wrong reading would give)."""
-    o = ds_muon.newton_schulz(matrix, dtype=torch.float32)
+    o = ds_muon.newton_schulz(matrix, dtype=torch.float32, method="auto")
     lr = GROUPS["lr"]
     right = w0.clone().add_(back(o), alpha=-lr * ds_muon.get_muon_scale_factor(*matrix.shape))
     wrong = w0.clone().add_(back(o), alpha=-lr * ds_muon.get_muon_scale_factor(matrix.shape[1], matrix.shape[0]))
@@ -136,9 +136,9 @@ def test_updates_equal_hand_references(name):
     out = M.OUTPUT_LAYERS[name]
     want = _adamw_first_step(before[out], grads[out], adam_group)
     assert torch.allclose(params[out].detach(), want, rtol=0, atol=1e-7), name  # AdamW's first step
-    muon_step = before[out] - GROUPS["lr"] * ds_muon.get_muon_scale_factor(*grads[out].reshape(
-        grads[out].shape[0], -1).shape) * ds_muon.newton_schulz(grads[out].reshape(grads[out].shape[0], -1),
-                                                                dtype=torch.float32).reshape(grads[out].shape)
+    as_matrix = grads[out].reshape(grads[out].shape[0], -1)
+    muon_step = before[out] - GROUPS["lr"] * ds_muon.get_muon_scale_factor(*as_matrix.shape) * ds_muon.newton_schulz(
+        as_matrix, dtype=torch.float32, method="auto").reshape(grads[out].shape)
     assert not torch.allclose(params[out].detach(), muon_step, atol=1e-5)  # Muon would be another update
     for n, (matrix, back) in _matrix_refs(name, model, before, grads).items():
         right, wrong = _muon(before[n], matrix, back)

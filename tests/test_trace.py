@@ -65,12 +65,12 @@ def _check_cols(w, w0, grad, blocks, close=False):
     fp32 GEMM reading a transposed operand sums in another order on some CPUs (the Intel AMX box)."""
     for cols in blocks:
         idx = torch.tensor(cols)
-        o = ds_muon.newton_schulz(grad[:, idx], dtype=torch.float32)
+        o = ds_muon.newton_schulz(grad[:, idx], dtype=torch.float32, method="auto")
         want = w0[:, idx].clone().add_(o, alpha=-LR * ds_muon.get_muon_scale_factor(len(cols), grad.shape[0]))
         got = w.detach()[:, idx]
         assert torch.allclose(got, want, atol=1e-6, rtol=0) if close else torch.equal(got, want), cols[:4]
     whole = w0 - LR * ds_muon.get_muon_scale_factor(grad.shape[1], grad.shape[0]) * ds_muon.newton_schulz(
-        grad, dtype=torch.float32)
+        grad, dtype=torch.float32, method="auto")
     assert not torch.allclose(w.detach(), whole, atol=1e-4)  # one matrix would be another update
 
 

@@ -303,7 +303,8 @@ def final_layers(model, inputs=None):
     final layer) or two operands that each carry a weight meet (a residual sum, attention, a gate: no
     final layer on that path); pieces concatenated or stacked side by side are each followed, and a
     ``detach`` keeps its history (:func:`_keep_history_mode`).  ``(names, error)``."""
-    from ds_muon.models.inputs import _all_nonzero, default_inputs
+    from ds_muon.models.inputs import default_inputs
+    from ds_muon.models.meta import all_nonzero
     from ds_muon.models.trace import _to_meta, meta_copy
 
     try:
@@ -314,7 +315,7 @@ def final_layers(model, inputs=None):
         for n, p in shadow.named_parameters(remove_duplicate=False):
             names[id(p)].append(n)
             p.requires_grad_(True)
-        with torch.enable_grad(), _all_nonzero(), _KeepHistory():
+        with torch.enable_grad(), all_nonzero(), _KeepHistory():
             out = shadow(*_to_meta(tuple(args)), **_to_meta(dict(kwargs)))
     except Exception as e:  # noqa: BLE001 - reported in the row
         return set(), f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"

@@ -46,7 +46,14 @@ def _placement_worker(rank, world):
         opt.step()
     out["w"], out["b"] = w.full_tensor(), b.full_tensor()
     out["placed"] = tuple(w.grad.placements) == tuple(w.placements)
-    w.grad = gw.clone()  # a plain tensor for a DTensor parameter
+    before, placed = w.full_tensor(), distribute_tensor(gw, mesh, [Shard(0)])  # (collectives: on both ranks)
+    w.grad = gw.clone() if rank == 1 else placed  # one rank's plain gradient: every rank raises, none waits
+    try:
+        opt.step()
+    except (ValueError, RuntimeError) as e:
+        out["one_rank"] = str(e)
+    out["unchanged"] = torch.equal(w.full_tensor(), before)
+    w.grad = gw.clone()  # a plain tensor for a DTensor parameter, on every rank
     try:
         opt.step()
     except (ValueError, RuntimeError) as e:
@@ -66,6 +73,7 @@ def test_dtensor_gradient_placed_unlike_its_parameter():
         assert found["placed"]
         assert torch.equal(found["w"], w.detach()) and torch.equal(found["b"], b.detach())
         assert "proj.weight" in found.get("plain", ""), found.get("plain")
+        assert found.get("one_rank") and found["unchanged"], found.get("one_rank")
 
 
 def _no_grad_worker(rank, world):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ..rules.adamw import adamw_
 from .agreement.check import Agreement
 from .agreement.fingerprints import settings_of
+from .agreement.local_failure import LocalFailure
 from .binding import bind_all, layouts_of, param_name, signature
 from .exchange.all_to_all import Exchange
 from .exchange.layout import Layout, ParamBinding, local_shard
@@ -227,8 +228,8 @@ class StepRuntime:
         opt = self.opt
         items = [(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])]
         place = getattr(opt.adapter, "place_grads", None)  # the stack's gradients laid out like their params
-        if place is not None:
-            place(items, self.name)
+        if place is not None:  # a gradient refused on one rank is refused on every rank, through the agreement
+            failed = failed or LocalFailure.catch(lambda: place(items, self.name))
         group, world = self.step_group()
         verdict = self.agreement.check(items, self.name, group, world,
                                        settings_of(opt) if world > 1 else None, self.dispatch, failed)

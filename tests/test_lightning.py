@@ -27,6 +27,7 @@ import torch
 pytest.importorskip("lightning")
 
 import dist_harness  # noqa: E402
+from door_matrix import full_weights  # noqa: E402  (every weight whole in fp32 by the plain names)
 
 ENV = {"DS_ACCELERATOR": "cpu", "TORCHDYNAMO_DISABLE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
        "PL_DISABLE_FORK": "1"}
@@ -88,25 +89,6 @@ def sharding(muon) -> str:
         return kind
     params = [p for g in muon.param_groups for p in g["params"]]
     return "dtensor" if all(type(p).__name__ == "DTensor" for p in params) else "plain"
-
-
-def full_weights(model) -> dict:
-    """Every weight whole, by the plain model's names (DeepSpeed: its fp32 masters; FSDP2: full DTensors)."""
-    out = {}
-    deepspeed = any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in model.parameters())
-    for n, p in model.named_parameters():
-        if deepspeed:  # a collective per tensor, on every rank
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            t = safe_get_full_fp32_param(p)
-        elif hasattr(p, "full_tensor"):
-            t = p.full_tensor()
-        else:
-            t = p
-        for prefix in ("_forward_module.", "module.", "net."):
-            n = n.removeprefix(prefix)
-        out[n] = t.detach().float().clone()
-    return out
 
 
 def fsdp2_layers(module, mesh) -> None:

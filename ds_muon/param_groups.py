@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .engine.exchange.layout import global_shape
-from .engine.exchange.tag_keys import EXPERTS, is_tagged, shape_tags
+from .tensors.shape import global_shape
+from .tensors.tag_keys import EXPERTS, is_tagged, shape_tags
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
 from .models.experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
 from .models.fused import apply_fused_plan

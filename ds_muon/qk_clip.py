@@ -38,7 +38,7 @@ from torch import nn
 
 from .engine.exchange.layout import global_shape, is_flat_shard, local_data
 from .engine.exchange.slots import logical_blocks, strided_blocks
-from .engine.exchange.tag_keys import BLOCKS, is_tagged
+from .tensors.tag_keys import BLOCKS, is_tagged
 from .models.attention_logits import LogitRecorder
 from .models.fused import READERS
 from .rules.qk_clip import clip_gammas, head_scales, mla_row_factors, piece_factors, row_factors

@@ -84,7 +84,7 @@ def muon_scale_factors(model, groups, shapes):
     """The factor Muon applies to each matrix of the groups (what ``Muon`` computes), from the whole
     ``(rows, cols)`` by name and the model's own tensors' tags (the groups may hold shards or
     DeepSpeed's flat partitions)."""
-    from ds_muon.engine.exchange.tag_keys import is_transposed
+    from ds_muon.tensors.tag_keys import is_transposed
 
     params = dict(model.named_parameters())
     out = {}

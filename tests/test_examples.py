@@ -223,7 +223,7 @@ def test_hf_trainer_conv1d_groups():
     from transformers.pytorch_utils import Conv1D
 
     import ds_muon
-    from ds_muon.engine.exchange.tag_keys import is_transposed
+    from ds_muon.tensors.tag_keys import is_transposed
 
     ex = _load_example("hf_trainer")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,

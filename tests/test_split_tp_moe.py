@@ -24,7 +24,7 @@ import ds_muon
 from ds_muon.integrations.local import bind_replicated
 from ds_muon.engine.exchange.layout import ParamBinding
 from ds_muon.engine.exchange.slots import block_slots
-from ds_muon.engine.exchange.tag_keys import EXPERTS
+from ds_muon.tensors.tag_keys import EXPERTS
 
 import dist_harness
 from models import HandAdapter

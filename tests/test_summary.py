@@ -23,7 +23,7 @@ import ds_muon
 from ds_muon.engine.exchange.layout import matrix_shape
 from ds_muon.rules.newton_schulz import ns_flops
 from ds_muon.engine.plan.cost_model import CostModel
-from ds_muon.engine.exchange.tag_keys import is_transposed
+from ds_muon.tensors.tag_keys import is_transposed
 from ds_muon.rules.update import apply_coefficients
 
 import dist_harness

@@ -33,7 +33,7 @@ def _build(name):
 def _bare(model):
     """{name: (muon, kind, blocks)} of the bare model."""
     import ds_muon
-    from ds_muon.engine.exchange.tag_keys import shape_tags
+    from ds_muon.tensors.tag_keys import shape_tags
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -46,7 +46,7 @@ def _bare(model):
 
 
 def _tags(p):
-    from ds_muon.engine.exchange.tag_keys import shape_tags
+    from ds_muon.tensors.tag_keys import shape_tags
 
     return repr(sorted((shape_tags(p) or {}).items()))
 
@@ -60,7 +60,7 @@ def _clean(name):
 def _wrapped(model, wrapper):
     """{clean name: (muon, tags)} read through ``wrapper``; FSDP1 flat parameters per original tensor."""
     import ds_muon
-    from ds_muon.engine.exchange.tag_keys import shape_tags
+    from ds_muon.tensors.tag_keys import shape_tags
     from ds_muon.integrations import fsdp1
 
     if wrapper == "ddp":

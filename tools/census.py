@@ -183,7 +183,7 @@ def proof(row: Row, model, groups, traced) -> None:
     """The traced truth against the decision, tensor by tensor: every Muon matrix whose output the forward
     splits is split into exactly those blocks (and none the forward does not split), every matrix the
     forward reads the input with or makes the output with is on AdamW; who decided each matrix."""
-    from ds_muon.engine.exchange.tag_keys import BLOCKS, SPLIT_ROWS
+    from ds_muon.tensors.tag_keys import BLOCKS, SPLIT_ROWS
     from ds_muon.models.kinds import _RULES_OF
 
     rules = _RULES_OF.get(model)
@@ -218,7 +218,7 @@ def proof(row: Row, model, groups, traced) -> None:
 
 def _blocks_equal(p, use) -> bool:
     """Whether the blocks ds_muon tagged on ``p`` (per expert) split its outputs as the forward does."""
-    from ds_muon.engine.exchange.tag_keys import BLOCKS, SPLIT_ROWS, TRANSPOSED
+    from ds_muon.tensors.tag_keys import BLOCKS, SPLIT_ROWS, TRANSPOSED
 
     def run(spec):
         start, length, count, period = spec

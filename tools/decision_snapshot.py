@@ -35,7 +35,7 @@ SETTINGS = {
 
 
 def _tags(p) -> list:
-    from ds_muon.engine.exchange.tag_keys import shape_tags
+    from ds_muon.tensors.tag_keys import shape_tags
 
     return sorted((k, repr(v)) for k, v in (shape_tags(p) or {}).items())
 

@@ -23,12 +23,13 @@ FACE = {"ds_muon", "ds_muon.optimizer", "ds_muon.param_groups", "ds_muon.qk_clip
 DOORS = {"ds_muon.deepspeed", "ds_muon.accelerate", "ds_muon.trainer", "ds_muon.cli", "ds_muon.convert",
          "ds_muon.fsdp", "ds_muon.lightning", "ds_muon.torchtitan", "ds_muon.peft"}
 FRONT_DOORS = FACE | DOORS
-BELOW_FACE = {"integrations", "models", "engine", "rules"}
+BELOW_FACE = {"integrations", "models", "engine", "rules", "tensors"}
 MAY_IMPORT = {
-    "rules": {"rules"},  # the maths: pure functions of tensors
-    "engine": {"engine", "rules"},  # where matrices live, the plan, the exchange, the agreement
-    "models": {"models", "engine"},  # what each tensor of a model is
-    "integrations": {"integrations", "engine", "models"},  # one file per stack, describing where pieces live
+    "tensors": {"tensors"},  # the ground floor: a tensor's shape in the model, its tags
+    "rules": {"rules", "tensors"},  # the maths: pure functions of tensors
+    "engine": {"engine", "rules", "tensors"},  # where matrices live, the plan, the exchange, the agreement
+    "models": {"models", "tensors"},  # what each tensor of a model is: never the engine, never a stack
+    "integrations": {"integrations", "engine", "models", "rules", "tensors"},  # one file per stack
     "face": {"face"} | BELOW_FACE,  # Muon, muon_param_groups, QKClip, find_muon
     # what the doors share, so that no door imports another: a Muon built and bound for a stack; conversion
     "setup": {"setup", "face"} | BELOW_FACE,

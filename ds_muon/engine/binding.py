@@ -12,7 +12,7 @@ import math
 from typing import Callable, Dict, List
 
 from .exchange.layout import _DTENSOR_OR_NONE, Layout, ParamBinding, build_layout
-from .exchange.tag_keys import restore_tags
+from ..tensors.tag_keys import restore_tags
 
 
 def param_name(param_groups: List[dict], gi: int, pi: int) -> str:

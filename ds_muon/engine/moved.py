@@ -24,8 +24,10 @@ from typing import List, Tuple
 _E = "ds_muon.engine."
 # old path -> the modules that hold its names now (one: the old module moved whole; several: in import
 # order, a module before those importing from it, so a constant is named where it is defined)
-MOVED = {_E + old: tuple(_E + n for n in ((new,) if isinstance(new, str) else new)) for old, new in {
-    "layout": "exchange.layout", "slots": "exchange.slots", "tag_keys": "exchange.tag_keys",
+MOVED = {_E + old: tuple(n if n.startswith("ds_muon.") else _E + n for n in ((new,) if isinstance(new, str) else new))
+         for old, new in {
+    "layout": "exchange.layout", "slots": "exchange.slots", "tag_keys": "ds_muon.tensors.tag_keys",
+    "exchange.tag_keys": "ds_muon.tensors.tag_keys",  # to the ground floor (issue 43): models/ reads no engine
     "copies": "exchange.copies", "pieces": "exchange.pieces", "row_moments": "exchange.row_moments",
     "identity": "agreement.identity", "extremes": "agreement.extremes", "state_check": "agreement.state_check",
     "timeouts": "agreement.timeouts", "groups": "agreement.settings",

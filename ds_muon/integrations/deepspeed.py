@@ -39,7 +39,7 @@ import torch
 
 from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.exchange.slots import block_slots
-from ..engine.exchange.tag_keys import TENSOR_PARALLEL, is_tagged, is_transposed
+from ..tensors.tag_keys import TENSOR_PARALLEL, is_tagged, is_transposed
 from .base import HOW_TO_BIND, BindContext
 from .local import bind_replicated
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.exchange.layout import ParamBinding, global_shape
-from ..engine.exchange.tag_keys import TENSOR_PARALLEL
+from ..tensors.tag_keys import TENSOR_PARALLEL
 from .base import FLAT_PARTITION, HOW_TO_BIND, BindContext
 from .fsdp1 import Fsdp1Adapter, is_flattened_by_fsdp1
 from .fsdp2 import Fsdp2Adapter, is_dtensor, place_grads

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.exchange.slots import block_slots
-from ..engine.exchange.tag_keys import is_tagged, is_transposed
+from ..tensors.tag_keys import is_tagged, is_transposed
 from ..models.experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
 from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, stores_in_out
 from ..models.tags import transposed

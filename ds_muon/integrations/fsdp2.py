@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..engine.exchange.layout import _DTENSOR, MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..engine.exchange.slots import block_slots, logical_blocks
-from ..engine.exchange.tag_keys import BLOCKS, EXPERTS, is_tagged, is_transposed
+from ..tensors.tag_keys import BLOCKS, EXPERTS, is_tagged, is_transposed
 from ..engine.agreement.timeouts import flattened_group
 from .base import BindContext
 

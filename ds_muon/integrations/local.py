@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.exchange.slots import block_slots, tp_slots
-from ..engine.exchange.tag_keys import TENSOR_PARALLEL, domain_of, is_tagged, is_transposed
+from ..tensors.tag_keys import TENSOR_PARALLEL, domain_of, is_tagged, is_transposed
 from .base import BindContext, single_process
 
 

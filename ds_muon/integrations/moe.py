@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Union
 import torch
 from torch import nn
 
-from ..engine.exchange.layout import global_shape
+from ..tensors.shape import global_shape
 from ..models.experts import tag_fused_experts
 from ..models.tags import domain, expert_weight
 

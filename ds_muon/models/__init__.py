@@ -11,7 +11,7 @@
 * :mod:`.experts` — fused MoE expert stacks and routers;
 * :mod:`.selection` — the entry point over a model (names only as a fallback);
 * :mod:`.tags` — the tagging functions (``split_rows``, ``tensor_parallel``, ``expert_weight``, ``domain``,
-  ``transposed``, ``fused_blocks``) that say it in the engine's vocabulary (:mod:`ds_muon.engine.exchange.tag_keys`);
+  ``transposed``, ``fused_blocks``) that say it in the engine's vocabulary (:mod:`ds_muon.tensors.tag_keys`);
 * :mod:`.attention_logits` — ``LogitRecorder``: each attention head's largest pre-softmax logit (S_max, for
   QK-clip), recorded through transformers' attention-function registry (eager and SDPA).
 """

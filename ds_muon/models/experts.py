@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from ..engine.exchange.layout import global_shape
-from ..engine.exchange.tag_keys import EXPERTS
+from ..tensors.shape import global_shape
+from ..tensors.tag_keys import EXPERTS
 from .tags import expert_weight, split_rows, transposed
 
 EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_gate")  # set by @use_experts_implementation

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..engine.exchange.layout import global_shape
+from ..tensors.shape import global_shape
 from .tags import expert_weight, fused_blocks, split_rows, transposed
 
 

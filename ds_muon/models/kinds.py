@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from ..engine.exchange.layout import global_shape
-from ..engine.exchange.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
+from ..tensors.shape import global_shape
+from ..tensors.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
 from .experts import STACK_NAMES, is_fused_experts, is_router, mark_routers, stack_plan
 from .fused import FusedPlan, experts_gate_up, from_forward, looks_fused, reader_for
 from . import config as cfg

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from ..engine.exchange.layout import global_shape
+from ..tensors.shape import global_shape
 
 
 def all_nonzero():

@@ -31,8 +31,8 @@ from typing import Dict, Optional, Sequence, Union
 
 import torch
 
-from ..engine.exchange.layout import global_shape
-from ..engine.exchange.tag_keys import BLOCKS, DOMAIN, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, TRANSPOSED
+from ..tensors.shape import global_shape
+from ..tensors.tag_keys import BLOCKS, DOMAIN, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, TRANSPOSED
 
 
 def _what(param) -> str:

@@ -213,7 +213,7 @@ class Agreement:
             n = len(items)
             out = self._rows[(world, key)] = Rows(list(range(n)), [-1] * n, n, n, names, [])
             return out
-        from ..exchange.tag_keys import domain_of
+        from ...tensors.tag_keys import domain_of
 
         here = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
         common: List[int] = []
@@ -307,7 +307,7 @@ def _is_replica(p: torch.Tensor) -> bool:
 
     Shards (DTensors, FSDP1 flat parameters and views, ZeRO partitions) and
     tensor-parallel pieces differ between ranks by design."""
-    from ..exchange.tag_keys import TENSOR_PARALLEL
+    from ...tensors.tag_keys import TENSOR_PARALLEL
 
     return not (is_flat_shard(p) or hasattr(p, "placements")
                 or getattr(p, TENSOR_PARALLEL, None) is not None)

@@ -3,7 +3,7 @@
 * :mod:`.layout` — the vocabulary every package speaks: a :class:`~.layout.Piece` of a matrix, a
   tensor's :class:`~.layout.ParamBinding` (its :class:`~.layout.MatrixSlot` s), the :class:`~.layout.Layout`
   of one process group (built and checked on every rank: the pieces partition each matrix);
-* :mod:`.tag_keys`, :mod:`.slots` — the attributes tags set on a tensor, and the matrix slots they make;
+* :mod:`.slots` — the matrix slots a tensor's tags (:mod:`ds_muon.tensors.tag_keys`) make;
 * :mod:`.copies` — which ranks hold identical copies of a shard (for the agreement);
 * :mod:`.routes` — who sends a home each piece, which home sends each result back (replica groups);
 * :mod:`.all_to_all` — the fused exchange: pack, one ``all_to_all_single`` each way, unpack into the

@@ -20,6 +20,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ...tensors.shape import global_shape, matrix_shape  # noqa: F401 - the vocabulary's shapes (ground floor)
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -83,22 +85,6 @@ class MatrixSlot:
     @property
     def matrix_shape(self) -> Tuple[int, int]:
         return matrix_shape(self.shape)
-
-
-def global_shape(t: torch.Tensor) -> Tuple[int, ...]:
-    """The shape a parameter has in the model, wherever a stack hides it.
-
-    ZeRO-3 (``deepspeed.zero.Init``, HF ``from_pretrained`` under ZeRO-3) leaves
-    parameters of shape ``(0,)`` outside forward and keeps the real shape in
-    ``ds_shape``; everything else (DTensors included) reports its global shape.
-    """
-    ds_shape = getattr(t, "ds_shape", None)
-    return tuple(int(s) for s in (ds_shape if ds_shape is not None else t.shape))
-
-
-def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
-    """The 2-D shape Muon orthogonalizes: ``[shape[0], prod(shape[1:])]``."""
-    return int(shape[0]), int(math.prod(shape[1:]))
 
 
 @dataclass

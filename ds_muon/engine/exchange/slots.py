@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import MatrixSlot, Piece, global_shape, matrix_shape, slots_in_range
-from .tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
+from ...tensors.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
 
 Block = Tuple[str, Tuple[int, int], int]  # key, 2-D shape, start in the tensor's row-major flattening
 

@@ -1,6 +1,6 @@
 """The attributes ds_muon's tags set on a tensor, and their readers.
 
-:mod:`ds_muon.models.tags` writes them (``split_rows``, ``tensor_parallel``, ``expert_weight``, …: what a
+(On the ground floor, :mod:`ds_muon.tensors`.) :mod:`ds_muon.models.tags` writes them (``split_rows``, ``tensor_parallel``, ``expert_weight``, …: what a
 tensor is, said by the model readers and by users); the engine and the stack adapters only read them
 here, so the engine never depends on the model readers.
 """
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .layout import global_shape
+from .shape import global_shape
 
 SPLIT_ROWS = "_ds_muon_split_rows"  # tuple of (label, rows)
 TENSOR_PARALLEL = "_ds_muon_tp"  # (tp group, partition_dim)

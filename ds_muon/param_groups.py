@@ -16,12 +16,14 @@ from torch import nn
 from .tensors.shape import global_shape
 from .tensors.tag_keys import EXPERTS, is_tagged, shape_tags
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
-from .models.experts import check_matrix_dims, check_routers, is_fused_experts, param_modules, stack_plan, tag_fused_experts
+from .models.experts import check_matrix_dims, check_routers, stack_plan, tag_stacks
 from .models.fused import apply_fused_plan
-from .models.kinds import CONV, HIDDEN_MATRIX, ONE_MATRIX, RAW, Decision, Rules, classify, matches
+from .models.decide import Rules, classify, decide
+from .models.kinds import CONV, HIDDEN_MATRIX, ONE_MATRIX, RAW, Decision
+from .models.names import matches
 from .models.selection import HEAD_NAMES, split_params, stores_in_out
 from .models.tags import expert_weight, split_rows, transposed
-from .models.wrappers import unwrap_model
+from .models.module_types import is_fused_experts, param_modules
 
 
 def muon_param_groups(
@@ -90,7 +92,7 @@ def muon_param_groups(
         return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
                                  example_inputs=example_inputs, **muon_options)
     check_shapes_are_known(model)
-    rules = Rules(unwrap_model(model), head_names, routers, split_fused, split_attention, trace=trace,
+    rules = Rules(model, head_names, routers, split_fused, split_attention, trace=trace,  # reads the bare model
                   example_inputs=example_inputs)
     decided = classify(model, rules)
     _tag_fused(model, decided, split_fused)
@@ -196,21 +198,20 @@ def _tag_fused(model: nn.Module, decided, split_fused: bool) -> None:
         if entry is None or entry[1].plan is None or is_tagged(p):
             continue
         apply_fused_plan(p, entry[1].plan, entry[0])
-    if not split_fused:
-        for mod_name, mod in model.named_modules():
-            if not is_fused_experts(mod):
-                continue
-            for pname, p in mod.named_parameters(recurse=False):
-                plan = None
-                try:
-                    plan = stack_plan(mod, pname, global_shape(p), pname)
-                except NotImplementedError:  # interleaved gate/up: whole per expert is what was asked
-                    plan = True
-                if plan is not None and p.requires_grad and not getattr(p, EXPERTS, False):
-                    expert_weight(p)
-                    if bool(mod.is_transposed):
-                        transposed(p)
-    tag_fused_experts(model)
+    for mod_name, mod in model.named_modules():
+        if not is_fused_experts(mod):
+            continue
+        for pname, p in mod.named_parameters(recurse=False) if not split_fused else ():
+            plan = None
+            try:
+                plan = stack_plan(mod, pname, global_shape(p), pname)
+            except NotImplementedError:  # interleaved gate/up: whole per expert is what was asked
+                plan = True
+            if plan is not None and p.requires_grad and not getattr(p, EXPERTS, False):
+                expert_weight(p)
+                if bool(mod.is_transposed):
+                    transposed(p)
+        tag_stacks(mod_name, mod)  # (routers were marked when the model was read)
 
 
 def _warn_raw(decided, model: nn.Module) -> None:
@@ -228,7 +229,7 @@ def _frozen_hidden(model: nn.Module, rules: Rules) -> List[str]:
     out = []
     for mod_name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
-            if not p.requires_grad and rules.decide(mod_name, mod, pname, global_shape(p), p).muon:
+            if not p.requires_grad and decide(rules, mod_name, mod, pname, global_shape(p), p).muon:
                 out.append(f"{mod_name}.{pname}" if mod_name else pname)
     return out
 

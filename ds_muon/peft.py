@@ -4,7 +4,7 @@
     optimizer = ds_muon.Muon(ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-4))
 
 :func:`ds_muon.muon_param_groups` reads a PEFT model as the bare model would be read
-(:mod:`ds_muon.models.adapters`): a LoRA factor takes its base layer's decision (a hidden linear's
+(:mod:`ds_muon.models.module_types`): a LoRA factor takes its base layer's decision (a hidden linear's
 ``lora_A``/``lora_B``: Muon, each one matrix, any rank; an embedding's or a head's: AdamW), a
 ``modules_to_save`` copy of an end of the model is that end (AdamW), frozen tensors are in no group.
 :func:`lora_param_groups` stays as its alias, which also checks that the model is a PEFT model.

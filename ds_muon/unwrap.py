@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .models.wrappers import unwrap_model  # noqa: F401 - the module behind DDP, compile, PEFT, engines
+from .models.module_types import unwrap_model  # noqa: F401 - the module behind DDP, compile, PEFT, engines
 from .optimizer import Muon
 
 # where the wrappers keep what they wrap: DeepSpeed's ZeRO/BF16 wrappers and accelerate's optimizer wrappers

@@ -68,7 +68,7 @@ def test_the_output_layer_takes_adamw_decided_by_the_trace(name):
     muon, adam = _sets(_groups(model, name))
     out = M.OUTPUT_LAYERS[name]
     assert out in adam, (name, sorted(muon))
-    decided = dict(ds_muon.models.kinds.model_map(model, example_inputs=M.example_inputs(name)))
+    decided = dict(ds_muon.models.decide.model_map(model, example_inputs=M.example_inputs(name)))
     assert decided[out].kind == "output head" and decided[out].decided_by == "trace", decided[out]
     matrices = {n for n, p in model.named_parameters() if p.ndim >= 2}
     hidden = {"conv_classifier": {"conv.weight", "hidden.weight"}, "transposed_lm": {"up.weight", "down.weight"},
@@ -82,7 +82,7 @@ def test_the_output_layer_takes_adamw_decided_by_the_trace(name):
 
 def test_einsum_weights_read_from_their_equations():
     model = M.build("einsum_lm")
-    decided = dict(ds_muon.models.kinds.model_map(model, example_inputs=M.example_inputs("einsum_lm")))
+    decided = dict(ds_muon.models.decide.model_map(model, example_inputs=M.example_inputs("einsum_lm")))
     d, h, hd = model.wq.shape
     ff = model.w_in.shape[1]
     assert f"one [{h * hd}, {d}] matrix applied by 'bsd,dhk->bhsk', stored [in, out]" in decided["wq"].reason
@@ -214,7 +214,7 @@ def test_litgpt_gpt_without_example_inputs():
     model = M.build("litgpt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        decided = dict(ds_muon.models.kinds.model_map(model))
+        decided = dict(ds_muon.models.decide.model_map(model))
     assert decided["lm_head.weight"].kind == "output head" and decided["lm_head.weight"].decided_by == "trace"
     assert not decided["transformer.wte.weight"].muon
     qkv = decided["transformer.h.0.attn.qkv.weight"]
@@ -231,3 +231,24 @@ def test_litgpt_gpt_without_example_inputs():
     adam_group = next(gr for gr in groups if not gr["use_muon"])
     want = _adamw_first_step(before["lm_head.weight"], grads["lm_head.weight"], adam_group)
     assert torch.allclose(dict(model.named_parameters())["lm_head.weight"].detach(), want, rtol=0, atol=1e-7)
+
+
+def test_readme_precedence_is_the_decision_functions_own():
+    """The README's order of precedence is generated from ``PRECEDENCE`` (tools/rules_table.py) and its kinds
+    table lists exactly the closed list of kinds, each given by some rule: the two cannot drift."""
+    import re
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    sys.path.insert(0, os.path.join(root, "tools"))
+    import rules_table
+
+    from ds_muon.models.decide import PRECEDENCE
+    from ds_muon.models.kinds import KINDS
+
+    readme = open(os.path.join(root, "README.md")).read()
+    assert rules_table.readme_section(readme) == rules_table.table(), "run: python tools/rules_table.py --write"
+    listed = set(re.findall(r"^\| ([a-z/1\-D ]+?)[:(|]", readme.split("| kind | optimizer | why |")[1].split("\n\n")[0],
+                            re.M))
+    assert {k.strip() for k in listed} - {"---"} == set(KINDS)
+    assert set(KINDS) == {k for entry in PRECEDENCE for k in entry.kinds}

@@ -184,7 +184,7 @@ def proof(row: Row, model, groups, traced) -> None:
     splits is split into exactly those blocks (and none the forward does not split), every matrix the
     forward reads the input with or makes the output with is on AdamW; who decided each matrix."""
     from ds_muon.tensors.tag_keys import BLOCKS, SPLIT_ROWS
-    from ds_muon.models.kinds import _RULES_OF
+    from ds_muon.models.evidence import _RULES_OF
 
     rules = _RULES_OF.get(model)
     if rules is not None:

@@ -28,7 +28,8 @@ from torch import nn
 from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.exchange.slots import block_slots
 from ..tensors.tag_keys import is_tagged, is_transposed
-from ..models.experts import apply_plan, check_matrix_dims, check_routers, mark_routers, stack_plan
+from ..models.experts import apply_plan, check_matrix_dims, check_routers, stack_plan
+from ..models.module_types import mark_routers
 from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, stores_in_out
 from ..models.tags import transposed
 from .base import BindContext
@@ -169,9 +170,9 @@ def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, router
 
 def fused_plan_of(module_name: str, module, pname: str, shape):
     """The fused-projection plan the rules give an original tensor (None: not fused)."""
-    from ..models.kinds import rules_of
+    from ..models.decide import decide, rules_of
 
-    return rules_of(module).decide(module_name, module, pname, shape).plan
+    return decide(rules_of(module), module_name, module, pname, shape).plan
 
 
 def _shard_piece(flat, i: int, name: str) -> Tuple[Optional[Piece], int]:
@@ -336,7 +337,7 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
     check_routers(routers)
     mark_routers(model)
     index = _Fsdp1Index(model)
-    from ..models.kinds import Rules, classify
+    from ..models.decide import Rules, classify
     from ..models.trace import Trace, trace as trace_forward
 
     try:  # the forward of the model before wrapping, read on a meta rebuild of it

@@ -16,6 +16,7 @@
   QK-clip), recorded through transformers' attention-function registry (eager and SDPA).
 """
 
-from .kinds import KINDS, MUON_KINDS, Decision, Rules, classify
+from .decide import PRECEDENCE, Rules, classify, model_map
+from .kinds import KINDS, MUON_KINDS, Decision
 
-__all__ = ["KINDS", "MUON_KINDS", "Decision", "Rules", "classify"]
+__all__ = ["KINDS", "MUON_KINDS", "Decision", "PRECEDENCE", "Rules", "classify", "model_map"]

@@ -1,5 +1,5 @@
-"""What a model's config says about its tensors: expert counts, label counts, vocabularies,
-input channels.  Read from the config and every sub-config (``text_config``, ``vision_config``,
+"""The config, one evidence: what a model's config says about its tensors: expert counts, label counts,
+vocabularies, input channels.  Read from the config and every sub-config (``text_config``, ``vision_config``,
 …), whatever each family calls the field, so a new family is read without a new rule.
 """
 
@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from typing import Iterator, Set
 
-from torch import nn
 
 
-def configs_of(model: nn.Module) -> list:
-    """The model's config and every config nested in it (multimodal towers), once each."""
-    root = getattr(model, "config", None)
+def configs_in(root) -> list:
+    """A model's config (``model.config``) and every config nested in it (multimodal towers), once each."""
     out, seen = [], set()
 
     def walk(c, depth=0):
@@ -93,3 +91,17 @@ def input_widths(configs) -> Set[int]:
             for t in temporal:
                 out.add(c * p * p * t)
     return out
+
+
+
+class ConfigFacts:
+    """What a model's config says about its sizes: expert counts, labels, vocabularies, input widths (read
+    from the config and every config nested in it)."""
+
+    def __init__(self, root_config):
+        configs = configs_in(root_config)
+        self.config = configs[0] if configs else None
+        self.experts = expert_counts(configs)
+        self.labels = label_counts(configs)
+        self.vocab = vocab_sizes(configs)
+        self.widths = input_widths(configs)

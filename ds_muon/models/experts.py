@@ -24,7 +24,7 @@ alone orthogonalizes each expert's ``[gate | up]`` jointly) or puts it in AdamW.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple  # noqa: F401
 
 import torch
 from torch import nn
@@ -32,13 +32,10 @@ from torch.nn.modules.conv import _ConvNd
 
 from ..tensors.shape import global_shape
 from ..tensors.tag_keys import EXPERTS
+from .module_types import STACK_NAMES, is_fused_experts, is_router, mark_routers
 from .tags import expert_weight, split_rows, transposed
 
-EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_gate")  # set by @use_experts_implementation
-STACK_NAMES = ("gate_up_proj", "up_proj", "down_proj")
 ROUTERS = ("adamw", "muon")
-ROUTER_MARK = "_ds_muon_router"  # on gate-named siblings of an experts module (and their submodules)
-GATE_NAMES = ("gate", "router")
 
 
 @dataclass(frozen=True)
@@ -50,38 +47,9 @@ class StackPlan:
     transposed: bool
 
 
-def is_fused_experts(module: nn.Module) -> bool:
-    """A transformers experts module (``@use_experts_implementation``) holding fused stacks."""
-    return all(hasattr(module, f) for f in EXPERTS_FLAGS) and any(
-        isinstance(getattr(module, n, None), torch.Tensor) or n in getattr(module, "_parameters", {})
-        for n in STACK_NAMES)
-
-
-def is_router(module: nn.Module) -> bool:
-    """A MoE router: a ``*Router`` module, or one :func:`mark_routers` found beside the experts."""
-    return "Router" in type(module).__name__ or bool(getattr(module, ROUTER_MARK, False))
-
-
 def check_routers(routers: str) -> None:
     if routers not in ROUTERS:
         raise ValueError(f"muon_param_groups: routers={routers!r} is unknown; use one of {list(ROUTERS)}")
-
-
-def _gate_named(child_name: str) -> bool:
-    return any(child_name == g or child_name.endswith("_" + g) for g in GATE_NAMES)
-
-
-def mark_routers(model: nn.Module) -> None:
-    """Mark gate-named siblings of every experts module as routers (the module tree survives
-    FSDP1 wrapping, so adapters that see only modules read the same mark)."""
-    for parent in model.modules():
-        children = dict(parent.named_children())
-        if not any(is_fused_experts(c) for c in children.values()):
-            continue
-        for child_name, child in children.items():
-            if _gate_named(child_name) and not is_fused_experts(child):
-                for m in child.modules():
-                    setattr(m, ROUTER_MARK, True)
 
 
 def stack_plan(module: nn.Module, pname: str, shape: Sequence[int], name: str) -> Optional[StackPlan]:
@@ -141,15 +109,20 @@ def tag_fused_experts(model: nn.Module, shape_of: Callable[[torch.Tensor], Tuple
     """
     mark_routers(model)
     for mod_name, mod in model.named_modules():
-        if not is_fused_experts(mod):
+        tag_stacks(mod_name, mod, shape_of)
+
+
+def tag_stacks(mod_name: str, mod: nn.Module, shape_of: Callable[[torch.Tensor], Tuple[int, ...]] = global_shape):
+    """Tag the fused expert stacks of one experts module (none for any other module)."""
+    if not is_fused_experts(mod):
+        return
+    for pname in STACK_NAMES:
+        p = mod._parameters.get(pname)
+        if p is None or not p.requires_grad or getattr(p, EXPERTS, False):
             continue
-        for pname in STACK_NAMES:
-            p = mod._parameters.get(pname)
-            if p is None or not p.requires_grad or getattr(p, EXPERTS, False):
-                continue
-            plan = stack_plan(mod, pname, shape_of(p), f"{mod_name}.{pname}" if mod_name else pname)
-            if plan is not None:
-                apply_plan(p, plan)
+        plan = stack_plan(mod, pname, shape_of(p), f"{mod_name}.{pname}" if mod_name else pname)
+        if plan is not None:
+            apply_plan(p, plan)
 
 
 def check_matrix_dims(name: str, shape: Sequence[int], module: Optional[nn.Module],
@@ -163,12 +136,3 @@ def check_matrix_dims(name: str, shape: Sequence[int], module: Optional[nn.Modul
         f"); Muon would orthogonalize it as one [{shape[0]}, {' x '.join(str(s) for s in shape[1:])}] matrix. If dim "
         "0 indexes matrices (a stack of experts [E, out, in]), tag it ds_muon.expert_weight(p) before building the "
         "groups; otherwise build the groups yourself with it in an AdamW group (use_muon=False) or as one matrix")
-
-
-def param_modules(model: nn.Module) -> Dict[int, Tuple[str, nn.Module]]:
-    """``id(param) -> (param name in its module, module)`` for the modules that own parameters directly."""
-    out: Dict[int, Tuple[str, nn.Module]] = {}
-    for mod in model.modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            out.setdefault(id(p), (pname, mod))
-    return out

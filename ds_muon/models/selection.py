@@ -1,8 +1,8 @@
 """Which tensors take Muon: weights their modules apply as linear maps of hidden features.
 Everything else takes AdamW.
 
-The rules live in :mod:`ds_muon.models.kinds` (module semantics, the model's API for its ends,
-the config); this module is the entry point every path calls.  It reads a model
+The rules live in :mod:`ds_muon.models.decide` (module types, the model's API for its ends, the config,
+the traced forward, names); this module is the entry point every path calls.  It reads a model
 (:func:`split_params`, :func:`param_reasons`) or one original tensor of a model a stack
 flattened (:func:`param_reason`, FSDP1).
 """
@@ -13,8 +13,10 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from .kinds import (EMBEDDING, EMBEDDING_TYPES, HEAD_NAMES, HIDDEN_MATRIX, OUTPUT_HEAD, Rules,  # noqa: F401
-                           classify, rules_of)
+from .decide import classify, decide, rules_of
+from .kinds import EMBEDDING, HIDDEN_MATRIX, OUTPUT_HEAD
+from .module_types import EMBEDDING_TYPES, stores_in_out  # noqa: F401
+from .names import HEAD_NAMES
 
 __all__ = ["HEAD_NAMES", "EMBEDDING_TYPES", "HIDDEN_MATRIX", "EMBEDDING", "OUTPUT_HEAD", "param_reasons",
            "split_params", "param_reason", "is_muon_param", "stores_in_out"]
@@ -44,15 +46,11 @@ def param_reason(name: str, shape: Sequence[int], module_name: str, module: nn.M
                  head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw", param=None) -> str:
     """:func:`param_reasons` for one original tensor of ``module`` (where parameters are flattened, FSDP1);
     ``param``: the tensor itself where it still exists (FSDP1 ``use_orig_params=True``), for its tags."""
-    return rules_of(module, head_names, routers).decide(module_name, module, name, shape, param).reason
+    return decide(rules_of(module, head_names, routers), module_name, module, name, shape, param).reason
 
 
 def is_muon_param(name: str, shape: Sequence[int], module_name: str, module: nn.Module,
                   head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
     """The same rule for one original tensor (used where parameters are flattened, FSDP1)."""
-    return rules_of(module, head_names, routers).decide(module_name, module, name, shape).muon
+    return decide(rules_of(module, head_names, routers), module_name, module, name, shape).muon
 
-
-def stores_in_out(module: nn.Module, pname: str) -> bool:
-    """transformers' ``Conv1D`` (GPT-2) stores its weight ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and pname == "weight"

@@ -503,15 +503,15 @@ def trace(model: nn.Module, example_inputs=None) -> Trace:
     t0 = time.perf_counter()
     result = Trace()
     try:
+        shadow = meta_copy(model)  # the inputs are found on it too: the model is read once, never touched
         if example_inputs is None:
-            args, kwargs, result.inputs = default_inputs(model)
+            args, kwargs, result.inputs = default_inputs(shadow)
         elif isinstance(example_inputs, dict):
             args, kwargs, result.inputs = (), dict(example_inputs), "example_inputs="
         elif isinstance(example_inputs, (tuple, list)):
             args, kwargs, result.inputs = tuple(example_inputs), {}, "example_inputs="
         else:
             args, kwargs, result.inputs = (example_inputs,), {}, "example_inputs="
-        shadow = meta_copy(model)
         shadow.eval()
         names = {}
         for n, p in shadow.named_parameters(remove_duplicate=False):

@@ -46,8 +46,9 @@ Variants, for comparing with numbers measured another way: ``--every-call`` foll
 resolves, whether or not the model is passed; ``--derived`` follows what is made from the model too (a
 call with a followed name anywhere in an argument, ``f(unwrap_model(model))``, ``f(p)``; any name bound
 from an expression mentioning one: assignments, ``for``/``with``/comprehension targets); ``--reread``
-enters a function again at every followed call (not while it is being read: no recursion).  ``--root DIR`` reads another checkout (DIR holds
-``ds_muon/``, e.g. ``git archive <rev> ds_muon | tar -x -C DIR``); ``--json`` prints the walk for machines.
+enters a function again at every followed call (not while it is being read: no recursion).  ``--root DIR``
+reads another checkout (DIR holds ``ds_muon/``, e.g. ``git archive <rev> ds_muon | tar -x -C DIR``);
+``--json`` prints the walk for machines.
 """
 
 from __future__ import annotations

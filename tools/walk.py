@@ -60,7 +60,8 @@ import os
 import sys
 from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import import_graph  # noqa: E402  (tools/ is not a package)
 
 START = ("ds_muon.param_groups", "muon_param_groups", "model")

@@ -17,8 +17,10 @@ The definition (the default; ``--every-call`` and ``--reread`` are variants, bel
   in the module; a name imported (at module level or lazily inside the function, relative or absolute,
   ``as`` included, re-exports through ``__init__`` files and ``name = other`` aliases followed); an
   attribute of an imported module (``kinds.classify``); a class (then its ``__init__``, its own or a
-  ``ds_muon`` base's); inside a class, ``self.m(...)``, ``cls.m(...)`` and ``super().m(...)``.  Anything
-  else (torch, builtins, methods of other objects) is not followed: ``model.foo()`` never resolves.
+  ``ds_muon`` base's); inside a class, ``self.m(...)``, ``cls.m(...)`` and ``super().m(...)``; ``x.m(...)``
+  where the text gives ``x``'s class (``x = Rules(...)``, a parameter ``x: Rules``).  A parameter or local
+  variable hides a module name of the same spelling.  Anything else (torch, builtins, methods of other
+  objects) is not followed: ``model.foo()`` never resolves.
 - In the callee the followed name is the parameter that received the model, by position or keyword
   (``self``/``cls`` skipped for methods and classes); into ``*args``/``**kwargs`` that name is followed.
   A starred argument (``*model``, ``**model``) may fill any parameter from its place on: all of them are
@@ -93,6 +95,8 @@ class Function:
         self.module, self.qualname, self.node, self.cls = module, qualname, node, cls
         self.key = (module.name, qualname)
         self._imports: Optional[Dict[str, Tuple[str, Optional[str]]]] = None
+        self._locals: Optional[Set[str]] = None
+        self._instances: Optional[Dict[str, "Class"]] = None
 
     def bound(self, call_through_instance: bool) -> bool:
         """Whether the first parameter is filled by the call itself (``self``; ``cls`` of a classmethod)."""
@@ -111,6 +115,45 @@ class Function:
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     self._imports.update(self.module.bindings(node))
         return self._imports
+
+    def locals(self) -> Set[str]:
+        """Parameters and names assigned in the body: they hide the module's names of the same spelling."""
+        if self._locals is None:
+            a = self.node.args
+            params = a.posonlyargs + a.args + a.kwonlyargs + [p for p in (a.vararg, a.kwarg) if p is not None]
+            self._locals = {p.arg for p in params} | {
+                n.id for n in _own_nodes(self.node.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        return self._locals
+
+    def instances(self, program: "Program") -> Dict[str, "Class"]:
+        """Local names whose ``ds_muon`` class is known from the text: a parameter annotated with it
+        (``rules: Rules``, ``Optional[Rules]``) or a name assigned from a call of it (``rules = Rules(...)``,
+        either branch of ``a if c else Rules(...)``)."""
+        if self._instances is None:
+            self._instances = {}
+            a = self.node.args
+            for p in a.posonlyargs + a.args + a.kwonlyargs:
+                if p.annotation is not None:
+                    cls = self._class_in(program, p.annotation)
+                    if cls is not None:
+                        self._instances[p.arg] = cls
+            for n in _own_nodes(self.node.body):
+                if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                    values = [n.value.body, n.value.orelse] if isinstance(n.value, ast.IfExp) else [n.value]
+                    for v in values:
+                        if isinstance(v, ast.Call):
+                            cls = program.resolve_expr(v.func, self.module, self)
+                            if isinstance(cls, Class):
+                                self._instances[n.targets[0].id] = cls
+        return self._instances
+
+    def _class_in(self, program: "Program", annotation: ast.AST) -> Optional["Class"]:
+        if isinstance(annotation, ast.Subscript) and isinstance(annotation.value, (ast.Name, ast.Attribute)):
+            names = getattr(annotation.value, "id", getattr(annotation.value, "attr", ""))
+            if names == "Optional":
+                annotation = annotation.slice
+        found = program.resolve_expr(annotation, self.module, None)
+        return found if isinstance(found, Class) else None
 
 
 class Class:
@@ -299,6 +342,8 @@ class Program:
         if isinstance(node, ast.Name):
             if function is not None and node.id in function.imports():
                 return self.imported(*function.imports()[node.id])
+            if function is not None and node.id in function.locals():
+                return None  # a parameter or local variable, not the module's name
             return self.lookup(module.name, node.id)
         if isinstance(node, ast.Attribute):
             cls = function.cls if function is not None else None
@@ -313,6 +358,8 @@ class Program:
                     if found is not None:
                         return found
                 return None
+            if function is not None and isinstance(value, ast.Name) and value.id in function.instances(self):
+                return function.instances(self)[value.id].method(self, node.attr)
             base = self.resolve_expr(value, module, function)
             if isinstance(base, str):
                 return self.lookup(base, node.attr)

@@ -15,15 +15,15 @@ from torch import nn
 
 from .tensors.shape import global_shape
 from .tensors.tag_keys import EXPERTS, is_tagged, shape_tags
-from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
+from .integrations.fsdp1 import fsdp1_groups
 from .models.experts import check_matrix_dims, check_routers, stack_plan, tag_stacks
 from .models.fused import apply_fused_plan
-from .models.decide import Rules, classify, decide
+from .models.decide import Rules, decide, read
 from .models.kinds import CONV, HIDDEN_MATRIX, ONE_MATRIX, RAW, Decision
 from .models.names import matches
 from .models.selection import HEAD_NAMES, split_params, stores_in_out
 from .models.tags import expert_weight, split_rows, transposed
-from .models.module_types import is_fused_experts, param_modules
+from .models.module_types import is_fused_experts
 
 
 def muon_param_groups(
@@ -85,20 +85,17 @@ def muon_param_groups(
     exclude, include = _patterns("exclude", exclude), _patterns("include", include)
     tag_row_blocks(model, split_attention)
 
-    if is_fsdp1_model(model):  # FSDP1 hides original shapes: read them from its flat parameters
-        if exclude or include or not split_fused:
-            raise NotImplementedError("muon_param_groups: exclude=, include= and split_fused=False need the model "
-                                      "before FSDP1 wraps it (or use_orig_params=True after building the groups)")
-        return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
-                                 example_inputs=example_inputs, **muon_options)
+    groups = fsdp1_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers, exclude, include,
+                          split_fused, example_inputs, **muon_options)
+    if groups is not None:  # FSDP1 hides the original shapes: its adapter reads them from its flat parameters
+        return groups
     check_shapes_are_known(model)
-    rules = Rules(model, head_names, routers, split_fused, split_attention, trace=trace,  # reads the bare model
-                  example_inputs=example_inputs)
-    decided = classify(model, rules)
+    read_once = read(model, head_names=head_names, routers=routers, split_fused=split_fused,  # the bare model's
+                     split_attention=split_attention, trace=trace, example_inputs=example_inputs)
+    rules, decided, owners = read_once.rules, read_once.decided, read_once.owners
     _tag_fused(model, decided, split_fused)
     decided = _untraced(decided, rules, model, trace is not False)
     decided = _override(decided, exclude, include)
-    owners = param_modules(model)
     muon = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
             and decided[id(p)][1].muon]
     adam = [(n, p) for n, p in model.named_parameters() if id(p) in decided and decided[id(p)][0] == n
@@ -246,10 +243,10 @@ def _warn_once(message: str) -> None:
 def split_params_checked(model: nn.Module, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw"):
     """:func:`split_params` after tagging fused projections and expert stacks, with every 3+-D Muon
     tensor checked to be a conv weight or an expert stack (so none is silently one wide matrix)."""
-    rules = Rules(model, head_names, routers)
-    _tag_fused(model, classify(model, rules), True)
+    read_once = read(model, head_names=head_names, routers=routers)
+    _tag_fused(model, read_once.decided, True)
     muon, adam = split_params(model, head_names, routers)
-    owners = param_modules(model)
+    owners = read_once.owners
     for name, p in muon:
         check_matrix_dims(name, global_shape(p), owners.get(id(p), (None, None))[1], p)
     return muon, adam

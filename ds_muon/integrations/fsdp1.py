@@ -29,7 +29,6 @@ from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.exchange.slots import block_slots
 from ..tensors.tag_keys import is_tagged, is_transposed
 from ..models.experts import apply_plan, check_matrix_dims, check_routers, stack_plan
-from ..models.module_types import mark_routers
 from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, stores_in_out
 from ..models.tags import transposed
 from .base import BindContext
@@ -320,6 +319,20 @@ def _register(module: nn.Module, name: str, p: nn.Parameter) -> None:
     module.register_parameter(name, p)
 
 
+def fsdp1_groups(model: nn.Module, lr: float, adam_lr: float, weight_decay: float, adam_weight_decay: float,
+                 head_names: Sequence[str], routers: str, exclude: Sequence[str], include: Sequence[str],
+                 split_fused: bool, example_inputs=None, **muon_options) -> Optional[List[dict]]:
+    """:func:`fsdp1_param_groups` for a model FSDP1 wrapped (it hides the original shapes, read here from its flat
+    parameters' metadata); None for any other model (:func:`ds_muon.muon_param_groups` reads it itself)."""
+    if not is_fsdp1_model(model):
+        return None
+    if exclude or include or not split_fused:
+        raise NotImplementedError("muon_param_groups: exclude=, include= and split_fused=False need the model "
+                                  "before FSDP1 wraps it (or use_orig_params=True after building the groups)")
+    return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
+                              example_inputs=example_inputs, **muon_options)
+
+
 def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4, weight_decay: float = 0.0,
                        adam_weight_decay: float = 0.0, head_names: Sequence[str] = HEAD_NAMES,
                        routers: str = "adamw", example_inputs=None, **muon_options) -> List[dict]:
@@ -335,16 +348,17 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     check_routers(routers)
-    mark_routers(model)
     index = _Fsdp1Index(model)
-    from ..models.decide import Rules, classify
+    from ..models.decide import read
+    from ..models.meta import failure
     from ..models.trace import Trace, trace as trace_forward
 
     try:  # the forward of the model before wrapping, read on a meta rebuild of it
         traced = trace_forward(unflattened_meta(model, index), example_inputs)
     except Exception as e:  # noqa: BLE001 - the rules decide alone, and say so
-        traced = Trace(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
-    rules = Rules(model, head_names, routers, trace=traced)  # every original tensor's binding asks these rules
+        traced = Trace(error=failure(e))
+    # every original tensor's binding asks the rules read here (routers are marked there too)
+    read_once = read(model, head_names=head_names, routers=routers, trace=traced)
     if traced.error:
         import warnings
 
@@ -354,7 +368,7 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
             warnings.warn(f"ds_muon.muon_param_groups: the FSDP1 model's forward could not be read ({traced.error}); "
                           "every original tensor is decided by the config, module types and names. Pass "
                           "example_inputs= (a tensor, tuple or dict for one forward)", UserWarning, stacklevel=3)
-    rule = {i: d.reason for i, (_, d) in classify(model, rules).items()}  # for tensors FSDP1 left alone
+    rule = {i: d.reason for i, (_, d) in read_once.decided.items()}  # for tensors FSDP1 left alone
     muon, adam = [], []
     why = {}  # id -> reason, what Muon.summary() shows
     for name, p in model.named_parameters():

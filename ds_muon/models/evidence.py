@@ -19,7 +19,8 @@ from .fused import FusedPlan
 from .module_types import STACK_NAMES, ModuleFacts, is_conv, is_conv1d_transformers, is_fused_experts, is_linear, \
     is_router, unwrap_model
 from .names import HEAD_NAMES, clean_name
-from .trace import Trace, Use, trace as trace_forward
+from .meta import try_meta_copy
+from .trace import Trace, Use, trace_meta
 
 
 class Tensor:
@@ -94,8 +95,9 @@ class Rules:
         self.names_rule = not self.modules.pretrained or self.names_given
         if isinstance(trace, Trace):
             self.trace = trace
-        elif trace:
-            self.trace = trace_forward(model, example_inputs)
+        elif trace:  # the forward, read on the model's meta copy (made here: the model is never touched)
+            shadow, error = try_meta_copy(model)
+            self.trace = trace_meta(shadow, example_inputs, error)
         else:
             self.trace = Trace(error="trace=False")
         self.uses = {clean_name(n): u for n, u in self.trace.uses.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -82,6 +82,20 @@ def meta_copy(model: nn.Module, memo: Optional[Dict[int, Any]] = None) -> nn.Mod
             except Exception:  # noqa: BLE001 - a config refusing it keeps its own
                 pass
     return out
+
+
+def try_meta_copy(model: nn.Module) -> Tuple[Optional[nn.Module], str]:
+    """``(meta copy, "")``, or ``(None, why)`` where the model cannot be copied (the trace then says why)."""
+    try:
+        return meta_copy(model), ""
+    except Exception as e:  # noqa: BLE001 - any failure: the config and module types decide alone
+        return None, failure(e)
+
+
+def failure(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    first = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"{type(e).__name__}: {first}"
 
 
 def _plain_class(cls):

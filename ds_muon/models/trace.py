@@ -38,8 +38,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .equations import Applied, read as read_equation, tensordot_equation
-from .meta import (_SCALARS, _configs, _fake_scalar, _name, _plain_class, _rebuild, _tensor_memo,  # noqa: F401
-                   _to_meta, all_nonzero, meta_copy)  # re-exported: where they lived
+from .meta import (_SCALARS, _configs, _fake_scalar, _name, _plain_class, _rebuild, _tensor_memo, _to_meta,  # noqa: F401
+                   all_nonzero, failure, meta_copy, try_meta_copy)  # some re-exported: where they lived
 from .inputs import SEQ, default_inputs  # noqa: F401 - re-exported: the inputs one forward runs on
 
 MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "tensordot", "grouped_mm")
@@ -496,14 +496,25 @@ def _outputs(out, field: str = "") -> List[torch.Tensor]:
 
 # -- the entry point --------------------------------------------------------------------------------
 def trace(model: nn.Module, example_inputs=None) -> Trace:
-    """What ``model``'s forward does with each parameter (:class:`Trace`), read on a meta copy.
+    """What ``model``'s forward does with each parameter (:class:`Trace`), read on a meta copy (:func:`trace_meta`
+    of :func:`~.meta.meta_copy`: the model is never touched)."""
+    t0 = time.perf_counter()
+    shadow, error = try_meta_copy(model)
+    return trace_meta(shadow, example_inputs, error, t0)
+
+
+def trace_meta(shadow: Optional[nn.Module], example_inputs=None, error: str = "", t0: Optional[float] = None) -> Trace:
+    """What the forward of a meta model does with each parameter: a model's meta copy, or a stack's rebuild of it
+    at its original shapes (FSDP1's).  ``error``: why no meta model could be made (the trace says so).
 
     ``example_inputs``: a tensor, a tuple of positional arguments, or a dict of keyword arguments for one
-    forward (any device: only shapes and dtypes are used); default: :func:`default_inputs`."""
-    t0 = time.perf_counter()
+    forward (any device: only shapes and dtypes are used); default: :func:`default_inputs` (found on ``shadow``)."""
+    t0 = time.perf_counter() if t0 is None else t0
     result = Trace()
+    if error:
+        result.error, result.ms = error, (time.perf_counter() - t0) * 1000
+        return result
     try:
-        shadow = meta_copy(model)  # the inputs are found on it too: the model is read once, never touched
         if example_inputs is None:
             args, kwargs, result.inputs = default_inputs(shadow)
         elif isinstance(example_inputs, dict):
@@ -536,8 +547,7 @@ def trace(model: nn.Module, example_inputs=None) -> Trace:
                     uses[n] = u
         result.uses = uses
     except Exception as e:  # noqa: BLE001 - any failure falls back to the config/module rules
-        first = str(e).splitlines()[0][:160] if str(e) else ""
-        result.error = f"{type(e).__name__}: {first}"
+        result.error = failure(e)
         result.uses = {}
     result.ms = (time.perf_counter() - t0) * 1000
     return result

@@ -159,7 +159,8 @@ def test_the_real_tree_is_read():
     assert len(w.trace) > 1 and all(s["floor"] is not None for s in w.stays)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 43: the lead's models/ restructure")
 def test_the_real_walk_within_issue_43s_limits():
+    """Issue 43's limits on the walk of ``model`` through ``muon_param_groups``; the climbs also read as every
+    move up a floor, returns included (the issue's count of coming back up into the FSDP1 adapter)."""
     t = walk.Walk(walk.Program(ROOT)).totals()
-    assert t["stays"] <= 30 and t["rooms"] <= 6 and t["climbs"] <= 3, t
+    assert t["stays"] <= 30 and t["rooms"] <= 6 and t["climbs"] <= 3 and t["rises"] <= 3, t

@@ -12,5 +12,6 @@ matrix lives.  A new rule is one file here.
 * :mod:`.scaling` — the update's scale per matrix shape;
 * :mod:`.decay` — the weight decay modes (decoupled, l2, independent, cautious) on Muon and AdamW tensors;
 * :mod:`.normuon` — NorMuon (``variant="normuon"``): a per-neuron second moment of the NS result;
-* :mod:`.qk_clip` — QK-clip (MuonClip): gamma per head from the maxima, the q/k row factors (GQA, MLA).
+* :mod:`.qk_clip` — QK-clip (MuonClip): gamma per head from the maxima, which output features are which head's
+  (separate, fused, MLA projections), the q/k row factors (GQA, MLA).
 """

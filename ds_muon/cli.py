@@ -10,6 +10,11 @@ No GPUs, no processes: the same :func:`ds_muon.engine.plan.planner.plan_homes` t
 calls, fed with shapes and with what each rank would hold, next to the baselines
 of :mod:`ds_muon.engine.plan.costs`.  From Python, :func:`shapes_from_module` reads a live
 model and :func:`plan_rows` returns the table.
+
+(Over 400 lines: one door for three commands (``plan``, ``shapes``, ``convert``), each flag checked with an
+error that names it and what to do, and the readers of the plan's inputs (a preset, a HF config.json, a shapes
+file, a live model); the work itself is elsewhere: the planner and its costs in :mod:`ds_muon.engine.plan`,
+the conversion in :mod:`ds_muon.conversion`.)
 """
 
 from __future__ import annotations

@@ -40,6 +40,11 @@ def test_the_package_keeps_its_layers():
     assert "\ncycles: 0\n" in out, out
     assert "\nlayering violations: 0\n" in out, out
     assert "\noutside a role's package: 0\n" in out, out
+    # every module over 400 lines says why in its docstring (tools/import_graph.py's REASON).  For now only
+    # outside ds_muon/models/, which issue 43 is rearranging: widen this to every module once that lands
+    long = out.split("\nover 400 lines without the reason in the docstring: ")[1].split("\n\n")[0].splitlines()[1:]
+    assert [m for m in long if not m.strip().startswith("ds_muon.models.")] == [], out
+    assert out.rstrip().splitlines()[-1].startswith("summary: 0 cycles, 0 layering violations, 0 modules outside"), out
     # the layers as the docs state them, spelled out here too (a table edited to allow more fails this)
     for mod, deps in edges.items():
         role = mod.split(".")[1] if mod.count(".") >= 1 else None
@@ -75,6 +80,31 @@ def test_the_layering_check_reports_what_crosses():
     assert tool.layering(staged) == ([("ds_muon.cli", "ds_muon.convert"),
                                       ("ds_muon.engine.exchange.a", "ds_muon.engine.plan.b")], [])
     assert tool.floors(staged) == {"ds_muon.cli": 4, "ds_muon.convert": 3, "ds_muon.optimizer": 2}
+
+
+def test_the_length_check_wants_a_reason(tmp_path):
+    """A module over 400 lines is reported unless a paragraph of its docstring begins "Over 400 lines" and goes
+    on to say why; the marker alone, or the reason inside another paragraph, is not enough."""
+    spec = importlib.util.spec_from_file_location("import_graph", os.path.join(ROOT, "tools", "import_graph.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    body = "x = 1\n" * 400
+    reason = "as one class: every stage reads the same caches, and a split would only pass them back."
+    modules = {  # name -> (source, reported)
+        "short": ('"""Short."""\n', False),
+        "none": ('"""Long."""\n' + body, True),
+        "bare": ('"""Long.\n\nOver 400 lines.\n"""\n' + body, True),
+        "inline": (f'"""Long, and over 400 lines, {reason}"""\n' + body, True),
+        "why": (f'"""Long.\n\n(Over 400 lines, {reason})\n"""\n' + body, False),
+        "plain": (f'"""Long.\n\nOver 400 lines: {reason}"""\n' + body, False),
+    }
+    paths = {}
+    for name, (source, _) in modules.items():
+        (tmp_path / f"{name}.py").write_text(source)
+        paths[f"ds_muon.{name}"] = str(tmp_path / f"{name}.py")
+    assert tool.long_without_reason(paths) == [(f"ds_muon.{n}", source.count("\n"))
+                                               for n, (source, bad) in sorted(modules.items()) if bad]
+    assert ("ds_muon.short", 1) in tool.long_without_reason(paths, limit=0)  # the limit is the one asked for
 
 
 def test_every_adapter_follows_the_protocol():

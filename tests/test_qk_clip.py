@@ -631,6 +631,28 @@ def test_head_scales_keep_every_head_at_most_tau_generated():
     assert torch.equal(clip_gammas(torch.tensor([float("nan"), 5.0]), 1.0), torch.tensor([1.0, 0.2]))
 
 
+def test_the_rule_reads_head_layouts():
+    """rules/qk_clip: a fused projection's q/k head runs from its reader's blocks (a block that is not one run of
+    output features refused, naming it), every output feature's factor (v's keep 1), and a stored tensor whose
+    output features are not the head layout's refused."""
+    from ds_muon.rules.qk_clip import Projection, fused_heads, head_scales, out_factors, stored_columns
+
+    blocks = {"q0": ((0, 4), None), "q1": ((4, 4), None), "k0": ((8, 4), None), "v0": ((12, 4), None)}
+    heads = fused_heads(blocks, False, "attn (Phi3Attention)", "qkv_proj.weight")
+    assert heads == {"q0": (0, 4), "q1": (4, 4), "k0": (8, 4)}
+    assert fused_heads({"k1": (None, (8, 4))}, True, "attn (GPT2Attention)", "c_attn.weight") == {"k1": (8, 4)}
+    with pytest.raises(NotImplementedError, match=r"attn \(X\): the v0 block of qkv_proj.weight is not a run"):
+        fused_heads({"v0": ((0, 2, 4, 8), None)}, False, "attn (X)", "qkv_proj.weight")
+    gammas = torch.tensor([0.25, 1.0])
+    proj = Projection("qkv_proj.weight", "attn", "qkv", 16, False, heads)
+    q, k = head_scales(gammas, 1, 0.3)
+    want = torch.cat([q[0].repeat(4), q[1].repeat(4), k[0].repeat(4), torch.ones(4)])
+    assert torch.equal(out_factors(proj, gammas, 0.3, 1, 4), want)
+    assert stored_columns((16, 4, 8), proj, "qkv_proj.weight") == 32
+    with pytest.raises(ValueError, match="qkv_proj.weight has 12 output features; the head layout of attn says 16"):
+        stored_columns((12, 32), proj, "qkv_proj.weight")
+
+
 def test_row_runs_equal_the_indexed_path_generated():
     """The row-by-row multiply of a contiguous piece (partial first row, whole rows, partial last row) and the
     general path (an index per element) give the same bits, over seeded shapes, offsets and lengths."""

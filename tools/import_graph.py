@@ -5,16 +5,23 @@ level and inside functions alike (a lazy import that closes a cycle is still a c
 and prints one line per module with what it imports, then every cycle found, then every
 import that crosses the layers the wrong way (:data:`MAY_IMPORT`; an engine stage importing a stage
 above it, :data:`STAGES`; a door importing a door, :data:`DOORS`) and every module outside a role's
-package, then the floors of the front doors, the longest import chain, the rooms (folders) with their
-sizes and the line count of each module.  Exit status 1 when a cycle, violation or homeless module is found.
+package, every module over :data:`LONG` lines whose docstring does not say why (:func:`reason_for_length`),
+then the floors of the front doors, the longest import chain, the rooms (folders) with their sizes, the line
+count of each module, and a last line that sums up the four checks.  Exit status 1 when a cycle, violation,
+homeless module or long module without its reason is found.
+
+A module over 400 lines says why in its module docstring: a paragraph that begins ``Over 400 lines``
+(or ``(Over 400 lines``) and goes on to give the reason, e.g. ``(Over 400 lines, as one class: every stage
+reads the same caches ...)``.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ds_muon")
 
@@ -39,6 +46,10 @@ MAY_IMPORT = {
 # The engine's stages, bottom up: a stage imports only the stages below it.  ``moved`` (old paths) is a leaf
 # under them all; any other module at the engine's top level is the step runtime, above them all.
 STAGES = ("moved", "memory", "exchange", "agreement", "plan", "overlap", "report", "runtime")
+# A module longer than this says why in its docstring (a paragraph starting "Over 400 lines", see above).
+LONG = 400
+REASON = re.compile(r"^\(?Over 400 lines\b")
+REASON_WORDS = 8  # the paragraph's words after the marker, at least: a reason, not the marker alone
 
 
 def role_of(module: str):
@@ -71,6 +82,29 @@ def layering(graph: Dict[str, Set[str]]):
             elif stage_of(m) and stage_of(d) and STAGES.index(stage_of(d)) > STAGES.index(stage_of(m)):
                 violations.append((m, d))
     return violations, homeless
+
+
+def reason_for_length(source: str) -> Optional[str]:
+    """The paragraph of a module's docstring that says why it is over :data:`LONG` lines: one that begins
+    ``Over 400 lines`` (or ``(Over 400 lines``) and goes on for at least :data:`REASON_WORDS` words; None."""
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    for para in re.split(r"\n\s*\n", doc):
+        para = " ".join(para.split())
+        if REASON.match(para) and len(para.split()) - 3 >= REASON_WORDS:
+            return para
+    return None
+
+
+def long_without_reason(paths: Dict[str, str], limit: int = LONG) -> List[Tuple[str, int]]:
+    """``(module, lines)`` of every module over ``limit`` lines whose docstring does not say why."""
+    out = []
+    for m, path in sorted(paths.items()):
+        with open(path) as f:
+            source = f.read()
+        lines = source.count("\n") + (0 if source.endswith("\n") or not source else 1)
+        if lines > limit and reason_for_length(source) is None:
+            out.append((m, lines))
+    return out
 
 
 def room_of(module: str, package: bool = False) -> str:
@@ -181,6 +215,10 @@ def main() -> int:
     print(f"\noutside a role's package: {len(homeless)}")
     for m in homeless:
         print(f"  {m}")
+    unexplained = long_without_reason(mods)
+    print(f"\nover {LONG} lines without the reason in the docstring: {len(unexplained)}")
+    for m, n in unexplained:
+        print(f"  {m} ({n} lines)")
     tower = floors(graph)
     top = max(tower.values(), default=0)
     print(f"\nfloors (the face, what the doors share and the doors, over the packages at floor 1): {top}")
@@ -200,7 +238,9 @@ def main() -> int:
     print("\nlines:")
     for m, p in sorted(mods.items(), key=lambda kv: -sum(1 for _ in open(kv[1]))):
         print(f"  {sum(1 for _ in open(p)):5d}  {m}")
-    return 1 if found or violations or homeless else 0
+    print(f"\nsummary: {len(found)} cycles, {len(violations)} layering violations, {len(homeless)} modules outside a "
+          f"role's package, {len(unexplained)} modules over {LONG} lines without their reason")
+    return 1 if found or violations or homeless or unexplained else 0
 
 
 if __name__ == "__main__":

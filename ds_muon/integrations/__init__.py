@@ -13,7 +13,8 @@ optimizer steps to a :class:`~ds_muon.engine.exchange.layout.ParamBinding`:
   :mod:`.deepspeed_checkpoint` (checkpoints refused before anything loads),
   :mod:`.deepspeed_universal` (DeepSpeed's universal layout over every state key) and
   :mod:`.deepspeed_cpu_adam` (DeepSpeed's CPU Adam for offloaded AdamW);
-* :mod:`.moe` — expert data-parallel domains (tags every adapter reads).
+* :mod:`.moe` — expert data-parallel domains (tags every adapter reads);
+* :mod:`.named_pieces` — this rank's pieces of the model's tensors by their names, on every stack (QK-clip).
 
 :class:`~ds_muon.integrations.default.DefaultAdapter`, which a ``Muon`` uses unless
 given another, picks local, FSDP1 or FSDP2 per tensor.  A new stack is one file here.

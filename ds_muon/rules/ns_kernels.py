@@ -29,6 +29,10 @@ a rank whose choices differ gets the same clear error as every other rank.
 A matrix's result never depends on its batch neighbours in either form (the batched
 GEMM treats each matrix on its own; per-matrix forms see one matrix), which is what a
 sharded step's bitwise equality with one process rests on.
+
+(Over 400 lines, as one table: the classes, the built-in choices, :func:`pin`, :func:`calibrate` (with
+the measurements it runs) and :func:`fingerprint` all read and write this module's per-process choices
+(``_pinned``, ``_calibrated``, the chunk budget, their version), which a split would only hand back and forth.)
 """
 
 from __future__ import annotations

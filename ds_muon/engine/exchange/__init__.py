@@ -8,7 +8,8 @@
 * :mod:`.routes` — who sends a home each piece, which home sends each result back (replica groups);
 * :mod:`.all_to_all` — the fused exchange: pack, one ``all_to_all_single`` each way, unpack into the
   stack's own buffers; :mod:`.pieces` — this rank's pieces of one wave, for the update's foreach calls;
-* :mod:`.row_moments` — NorMuon's second moment, updated at home after NS and shared with every rank.
+* :mod:`.row_moments` — NorMuon's second moment, updated at home after NS and shared with every rank;
+* :mod:`.row_scale` — a rank's piece of a matrix multiplied in place by a factor per output feature (QK-clip).
 
 Imports: :mod:`~ds_muon.engine.memory` and :mod:`ds_muon.rules` only.
 """

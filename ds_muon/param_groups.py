@@ -18,7 +18,9 @@ from .tensors.tag_keys import EXPERTS, is_tagged, shape_tags
 from .integrations.fsdp1 import fsdp1_groups
 from .models.experts import check_matrix_dims, check_routers, stack_plan, tag_stacks
 from .models.fused import apply_fused_plan
-from .models.decide import Rules, decide, read
+from .models.decide import decide
+from .models.evidence import Rules
+from .models.reading import read
 from .models.kinds import CONV, HIDDEN_MATRIX, ONE_MATRIX, RAW, Decision
 from .models.names import matches
 from .models.selection import HEAD_NAMES, split_params, stores_in_out
@@ -85,8 +87,8 @@ def muon_param_groups(
     exclude, include = _patterns("exclude", exclude), _patterns("include", include)
     tag_row_blocks(model, split_attention)
 
-    groups = fsdp1_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers, exclude, include,
-                          split_fused, example_inputs, **muon_options)
+    groups = fsdp1_groups(model, exclude, include, split_fused, lr, adam_lr, weight_decay, adam_weight_decay,
+                          head_names, routers=routers, example_inputs=example_inputs, **muon_options)
     if groups is not None:  # FSDP1 hides the original shapes: its adapter reads them from its flat parameters
         return groups
     check_shapes_are_known(model)

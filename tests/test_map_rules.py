@@ -68,7 +68,7 @@ def test_the_output_layer_takes_adamw_decided_by_the_trace(name):
     muon, adam = _sets(_groups(model, name))
     out = M.OUTPUT_LAYERS[name]
     assert out in adam, (name, sorted(muon))
-    decided = dict(ds_muon.models.decide.model_map(model, example_inputs=M.example_inputs(name)))
+    decided = dict(ds_muon.models.reading.model_map(model, example_inputs=M.example_inputs(name)))
     assert decided[out].kind == "output head" and decided[out].decided_by == "trace", decided[out]
     matrices = {n for n, p in model.named_parameters() if p.ndim >= 2}
     hidden = {"conv_classifier": {"conv.weight", "hidden.weight"}, "transposed_lm": {"up.weight", "down.weight"},
@@ -82,7 +82,7 @@ def test_the_output_layer_takes_adamw_decided_by_the_trace(name):
 
 def test_einsum_weights_read_from_their_equations():
     model = M.build("einsum_lm")
-    decided = dict(ds_muon.models.decide.model_map(model, example_inputs=M.example_inputs("einsum_lm")))
+    decided = dict(ds_muon.models.reading.model_map(model, example_inputs=M.example_inputs("einsum_lm")))
     d, h, hd = model.wq.shape
     ff = model.w_in.shape[1]
     assert f"one [{h * hd}, {d}] matrix applied by 'bsd,dhk->bhsk', stored [in, out]" in decided["wq"].reason
@@ -214,7 +214,7 @@ def test_litgpt_gpt_without_example_inputs():
     model = M.build("litgpt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        decided = dict(ds_muon.models.decide.model_map(model))
+        decided = dict(ds_muon.models.reading.model_map(model))
     assert decided["lm_head.weight"].kind == "output head" and decided["lm_head.weight"].decided_by == "trace"
     assert not decided["transformer.wte.weight"].muon
     qkv = decided["transformer.h.0.attn.qkv.weight"]

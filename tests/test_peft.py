@@ -116,7 +116,7 @@ def _check_against_bare(model, bare, groups):
 
 
 def _reasons(model) -> dict:
-    from ds_muon.models.decide import model_map
+    from ds_muon.models.reading import model_map
 
     return {n: d for n, d in model_map(model).items() if model.get_parameter(n).requires_grad}
 

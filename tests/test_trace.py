@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ds_muon
-from ds_muon.models.decide import classify
+from ds_muon.models.reading import classify
 from ds_muon.models.trace import trace
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -302,7 +302,7 @@ def test_known_families_muon_sets_equal_the_rules_alone(family):
         reasons = {n: r for g in traced for n, r in zip(g["param_names"], g["param_reasons"])}
         assert not [n for n, r in reasons.items() if "not traced" in r]  # every matrix read from the forward
     if family != "gpt":  # the rules' fused blocks are the forward's splits
-        rules_obj = ds_muon.models.decide.Rules(build())
+        rules_obj = ds_muon.models.evidence.Rules(build())
         classify(build(), rules_obj)
         assert not rules_obj.trace.error and not rules_obj.disagreements, rules_obj.disagreements
 

@@ -20,17 +20,26 @@ already wrapped.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.exchange.slots import block_slots
 from ..tensors.tag_keys import is_tagged, is_transposed
+from ..models.decide import decide
+from ..models.evidence import rules_of
 from ..models.experts import apply_plan, check_matrix_dims, check_routers, stack_plan
+from ..models.fused import apply_fused_plan
+from ..models.meta import _tensor_memo, failure
+from ..models.reading import read
 from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, stores_in_out
 from ..models.tags import transposed
+from ..models.trace import Trace, trace as trace_forward
 from .base import BindContext
 from .fsdp1_checkpoint import check_gathered_keys
 
@@ -169,8 +178,6 @@ def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, router
 
 def fused_plan_of(module_name: str, module, pname: str, shape):
     """The fused-projection plan the rules give an original tensor (None: not fused)."""
-    from ..models.decide import decide, rules_of
-
     return decide(rules_of(module), module_name, module, pname, shape).plan
 
 
@@ -199,8 +206,6 @@ def _tag_carrier(flat, i: int, key: str) -> Optional[torch.Tensor]:
     if plan is None:
         fused = fused_plan_of(info.module_name, info.module, info.param_name, shape)
         if fused is not None:
-            from ..models.fused import apply_fused_plan
-
             carrier = torch.empty(shape, device="meta")
             if stores_in_out(info.module, info.param_name):
                 transposed(carrier)
@@ -285,11 +290,7 @@ def unflattened_meta(model: nn.Module, index: Optional["_Fsdp1Index"] = None) ->
     """The model as it was before FSDP1 wrapped it, on the meta device: the wrapped modules copied without
     their ``FullyShardedDataParallel`` wrappers, each original tensor registered again at its original shape
     (from the FlatParameter's metadata; tied tensors tied again), so its forward can be read."""
-    import copy
-
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from ..models.trace import _tensor_memo
 
     index = index or _Fsdp1Index(model)
     memo: Dict[int, object] = _tensor_memo(model)
@@ -319,18 +320,15 @@ def _register(module: nn.Module, name: str, p: nn.Parameter) -> None:
     module.register_parameter(name, p)
 
 
-def fsdp1_groups(model: nn.Module, lr: float, adam_lr: float, weight_decay: float, adam_weight_decay: float,
-                 head_names: Sequence[str], routers: str, exclude: Sequence[str], include: Sequence[str],
-                 split_fused: bool, example_inputs=None, **muon_options) -> Optional[List[dict]]:
-    """:func:`fsdp1_param_groups` for a model FSDP1 wrapped (it hides the original shapes, read here from its flat
-    parameters' metadata); None for any other model (:func:`ds_muon.muon_param_groups` reads it itself)."""
+def fsdp1_groups(model: nn.Module, exclude, include, split_fused: bool, *args, **kwargs) -> Optional[List[dict]]:
+    """:func:`fsdp1_param_groups` (``*args, **kwargs``) for a model FSDP1 wrapped: it hides the original shapes,
+    read here from its flat parameters; None for any other model (the caller reads it itself)."""
     if not is_fsdp1_model(model):
         return None
     if exclude or include or not split_fused:
         raise NotImplementedError("muon_param_groups: exclude=, include= and split_fused=False need the model "
                                   "before FSDP1 wraps it (or use_orig_params=True after building the groups)")
-    return fsdp1_param_groups(model, lr, adam_lr, weight_decay, adam_weight_decay, head_names, routers=routers,
-                              example_inputs=example_inputs, **muon_options)
+    return fsdp1_param_groups(model, *args, **kwargs)
 
 
 def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4, weight_decay: float = 0.0,
@@ -349,10 +347,6 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
 
     check_routers(routers)
     index = _Fsdp1Index(model)
-    from ..models.decide import read
-    from ..models.meta import failure
-    from ..models.trace import Trace, trace as trace_forward
-
     try:  # the forward of the model before wrapping, read on a meta rebuild of it
         traced = trace_forward(unflattened_meta(model, index), example_inputs)
     except Exception as e:  # noqa: BLE001 - the rules decide alone, and say so
@@ -360,10 +354,6 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
     # every original tensor's binding asks the rules read here (routers are marked there too)
     read_once = read(model, head_names=head_names, routers=routers, trace=traced)
     if traced.error:
-        import warnings
-
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
             warnings.warn(f"ds_muon.muon_param_groups: the FSDP1 model's forward could not be read ({traced.error}); "
                           "every original tensor is decided by the config, module types and names. Pass "

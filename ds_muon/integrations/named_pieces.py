@@ -24,18 +24,9 @@ from torch import nn
 from ..engine.exchange.layout import is_flat_shard, local_data
 from ..engine.exchange.row_scale import shard_offset
 from ..tensors.shape import global_shape
+from ..models.names import clean_name  # noqa: F401 - (re-exported for the face)
 from .base import BindContext
 from .fsdp1 import _Fsdp1Index, _shard_piece, _tag_carrier
-
-_WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter or module name without the wrappers' own levels (FSDP1, activation checkpointing, compile)."""
-    for t in _WRAPPER_TOKENS:
-        name = name.replace(t, "")
-    return name
-
 
 class NamedPieces:
     """The pieces of ``model``'s tensors this rank holds among an optimizer's tensors, by clean name; what it

@@ -16,7 +16,9 @@
   QK-clip), recorded through transformers' attention-function registry (eager and SDPA).
 """
 
-from .decide import PRECEDENCE, Rules, classify, model_map
+from .decide import PRECEDENCE
+from .evidence import Rules
+from .reading import classify, model_map, read
 from .kinds import KINDS, MUON_KINDS, Decision
 
-__all__ = ["KINDS", "MUON_KINDS", "Decision", "PRECEDENCE", "Rules", "classify", "model_map"]
+__all__ = ["KINDS", "MUON_KINDS", "Decision", "PRECEDENCE", "Rules", "classify", "model_map", "read"]

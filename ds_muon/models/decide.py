@@ -13,14 +13,14 @@ a matrix never moves one off Muon (a composite op such as ``F.multi_head_attenti
 inner linears).
 
 Every path asks the same rules: :func:`ds_muon.muon_param_groups` (plain models, FSDP2, ZeRO-3 through
-``ds_shape``), and the FSDP1 adapter, which hands each original tensor's name and shape
-(:func:`rules_of`).
+``ds_shape``) through :func:`.reading.read`, and the FSDP1 adapter, which hands each original tensor's name
+and shape (:func:`.evidence.rules_of`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,13 +29,13 @@ from ..tensors.shape import global_shape
 from ..tensors.tag_keys import EXPERTS
 from .blocks import same_partition, traced_plan
 from .equations import layout
-from .evidence import Rules, Tensor, rules_of  # noqa: F401 - the evidence a decision reads (rules_of: FSDP1's)
+from .evidence import Rules, Tensor
 from .experts import stack_plan
 from .fused import FusedPlan, looks_fused
 from .kinds import (CONV, DEPTHWISE, EMBEDDING, EXPERT, FUSED_BLOCK, HIDDEN_LINEAR, HIDDEN_MATRIX, INPUT_LAYER,
                     ONE_MATRIX, OUTPUT_HEAD, RAW, ROUTER, VECTOR, Decision)
 from .module_types import (EMBEDDING_TYPES, RECURRENT_GATES, STACK_NAMES, base_layer_of, is_attention, is_conv,
-                           is_conv1d_transformers, is_depthwise, is_fused_experts, is_linear, unwrap_model)
+                           is_conv1d_transformers, is_depthwise, is_fused_experts, is_linear)
 from .names import head_named, norm_named
 from .trace import Use
 
@@ -404,42 +404,3 @@ def decide(rules: Rules, module_name: str, module: nn.Module, pname: str, shape:
     """The decision for one tensor of the model ``rules`` read: the first rule of :data:`PRECEDENCE` that
     applies."""
     return _first(Tensor(rules, module_name, module, pname, shape, param, rules.use_of(module, pname)))
-
-
-@dataclass
-class ModelMap:
-    """A model read once: each trainable tensor's decision (``id(param) -> (name, Decision)``, a tied tensor once
-    under its first name), the module that owns each parameter (``id(param) -> (name in it, module)``), and
-    the evidence it was decided from (:class:`~.evidence.Rules`)."""
-
-    decided: Dict[int, Tuple[str, Decision]]
-    owners: Dict[int, Tuple[str, nn.Module]]
-    rules: Rules
-
-
-def read(model: nn.Module, rules: Optional[Rules] = None, **options) -> ModelMap:
-    """The model map of ``model`` (its evidence read with ``options``, those of :class:`~.evidence.Rules`, unless
-    ``rules`` were read already): the entry of :func:`ds_muon.muon_param_groups` and of the FSDP1 adapter."""
-    rules = rules if rules is not None else Rules(model, **options)
-    owner: Dict[int, Tuple[str, nn.Module, str]] = {}
-    for mod_name, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            owner.setdefault(id(p), (mod_name, mod, pname))
-    out: Dict[int, Tuple[str, Decision]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in out:
-            continue
-        mod_name, mod, pname = owner[id(p)]
-        out[id(p)] = (name, decide(rules, mod_name, mod, pname, global_shape(p), p))
-    return ModelMap(out, {i: (pname, mod) for i, (_, mod, pname) in owner.items()}, rules)
-
-
-def classify(model: nn.Module, rules: Optional[Rules] = None, **options) -> Dict[int, Tuple[str, Decision]]:
-    """``id(param) -> (name, decision)`` for every trainable parameter (a tied one once, first name)."""
-    return read(model, rules, **options).decided
-
-
-def model_map(model: nn.Module, **options) -> Dict[str, Decision]:
-    """The one table of a model: parameter name -> :class:`Decision` (kind, Muon or not, reason, blocks and
-    orientation in ``plan``, ``decided_by``), read through any wrapper (the bare module's decision)."""
-    return {name: d for name, d in read(model, Rules(unwrap_model(model), **options)).decided.values()}

@@ -13,7 +13,9 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from .decide import classify, decide, rules_of
+from .decide import decide
+from .evidence import rules_of
+from .reading import classify
 from .kinds import EMBEDDING, HIDDEN_MATRIX, OUTPUT_HEAD
 from .module_types import EMBEDDING_TYPES, stores_in_out  # noqa: F401
 from .names import HEAD_NAMES

@@ -13,9 +13,8 @@
     the owning ``FlatParameter``, found through the wrapped model
     (``Muon(..., model=fsdp_model)``).
 
-FSDP1 reduces gradients after the post-accumulate-grad hooks fire, so no gather
-leaves from backward.  :func:`fsdp1_param_groups` builds param groups for a model
-already wrapped.
+FSDP1 reduces gradients after the post-accumulate-grad hooks fire, so no gather leaves from
+backward.  :func:`fsdp1_param_groups` builds param groups for a model already wrapped.
 """
 
 from __future__ import annotations
@@ -353,11 +352,10 @@ def fsdp1_param_groups(model: nn.Module, lr: float = 0.02, adam_lr: float = 3e-4
         traced = Trace(error=failure(e))
     # every original tensor's binding asks the rules read here (routers are marked there too)
     read_once = read(model, head_names=head_names, routers=routers, trace=traced)
-    if traced.error:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
-            warnings.warn(f"ds_muon.muon_param_groups: the FSDP1 model's forward could not be read ({traced.error}); "
-                          "every original tensor is decided by the config, module types and names. Pass "
-                          "example_inputs= (a tensor, tuple or dict for one forward)", UserWarning, stacklevel=3)
+    if traced.error and not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        warnings.warn(f"ds_muon.muon_param_groups: the FSDP1 model's forward could not be read ({traced.error}); "
+                      "every original tensor is decided by the config, module types and names. Pass "
+                      "example_inputs= (a tensor, tuple or dict for one forward)", UserWarning, stacklevel=3)
     rule = {i: d.reason for i, (_, d) in read_once.decided.items()}  # for tensors FSDP1 left alone
     muon, adam = [], []
     why = {}  # id -> reason, what Muon.summary() shows

@@ -1,20 +1,16 @@
 """The one decision: each tensor's kind, optimizer, blocks and reason, from the evidence in a fixed order.
 
-The evidence modules only report what they saw: :mod:`.module_types` (what each module is),
-:mod:`.config` (the config and the model's own API for its ends), :mod:`.trace` (what the forward does
-with each tensor), :mod:`.names` (the fallback).  :func:`decide` walks :data:`PRECEDENCE` once per tensor
-and the first rule that applies decides; each decision records the evidence that decided
-(``decided_by``).  The README's rules table is tested against this list (``tests/test_map_rules.py``).
+The evidence modules only report what they saw: :mod:`.module_types` (what each module is; the model's own
+API for its ends), :mod:`.config` (sizes), :mod:`.trace` (what the forward does with each tensor),
+:mod:`.names` (the fallback).  :func:`decide` walks :data:`PRECEDENCE` once per tensor and the first rule
+that applies decides, recording the evidence that did (``decided_by``).  The README's order of precedence
+is generated from this list (``tools/rules_table.py``; ``tests/test_map_rules.py`` checks it).
 
-A rule that reads a later evidence as well says so in its entry: an end, an embedding or a router is
-"seen by the trace" when the forward used it (it keeps its kind); a module-type matrix takes the blocks
-the forward splits its output into when the config gave none.  Evidence that a tensor is *not* used as
-a matrix never moves one off Muon (a composite op such as ``F.multi_head_attention_forward`` hides its
-inner linears).
-
-Every path asks the same rules: :func:`ds_muon.muon_param_groups` (plain models, FSDP2, ZeRO-3 through
-``ds_shape``) through :func:`.reading.read`, and the FSDP1 adapter, which hands each original tensor's name
-and shape (:func:`.evidence.rules_of`).
+A rule may read a later evidence too: an end, an embedding or a router the forward used is "decided by
+trace" (it keeps its kind); a module-type matrix takes the blocks the forward splits its output into where
+the config gave none.  That a tensor is *not* used as a matrix never moves one off Muon (a composite op such
+as ``F.multi_head_attention_forward`` hides its inner linears).  Every path asks these rules:
+:func:`.reading.read` (every stack but FSDP1) and the FSDP1 adapter (:func:`.evidence.rules_of`).
 """
 
 from __future__ import annotations
@@ -40,11 +36,6 @@ from .names import head_named, norm_named
 from .trace import Use
 
 MATRIX_OPS = {"linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "grouped_mm"}
-
-
-def _seen(d: Decision, t: Tensor) -> Decision:
-    """A decision the traced forward confirms (it used the tensor): its evidence is the trace."""
-    return replace(d, decided_by="trace") if t.seen is not None else d
 
 
 # -- the rules, in order of precedence -------------------------------------------------------------------
@@ -94,7 +85,7 @@ def parametrized(t: Tensor) -> Optional[Decision]:
     if layer is None:
         return None
     if t.pname == "original0":
-        return _seen(Decision(VECTOR, False, "weight-norm gain"), t)
+        return t.confirmed(Decision(VECTOR, False, "weight-norm gain"))
     inner = Tensor(t.facts, t.facts.modules.path.get(id(layer[0]), ""), layer[0], layer[1], t.shape, t.param, t.use)
     return _first(inner, PRECEDENCE.index(PARAMETRIZED) + 1)
 
@@ -102,18 +93,18 @@ def parametrized(t: Tensor) -> Optional[Decision]:
 def embedding(t: Tensor) -> Optional[Decision]:
     """An embedding's table, or a weight tied to one: rows are looked up."""
     if isinstance(t.module, EMBEDDING_TYPES):
-        return _seen(Decision(EMBEDDING, False, EMBEDDING), t)
+        return t.confirmed(Decision(EMBEDDING, False, EMBEDDING))
     if t.param is not None and id(t.param) in t.facts.modules.embedding_params:
-        return _seen(Decision(EMBEDDING, False, f"{EMBEDDING}, {OUTPUT_HEAD}"), t)
+        return t.confirmed(Decision(EMBEDDING, False, f"{EMBEDDING}, {OUTPUT_HEAD}"))
     return None
 
 
 def not_a_matrix(t: Tensor) -> Optional[Decision]:
     """An expert bias, a weight-norm gain, anything of fewer than 2 dims (``weight_v`` reads as the weight)."""
     if is_fused_experts(t.module) and t.pname.endswith("bias"):
-        return _seen(Decision(VECTOR, False, "expert bias"), t)
+        return t.confirmed(Decision(VECTOR, False, "expert bias"))
     if t.pname == "weight_g" and hasattr(t.module, "weight_v"):  # nn.utils.weight_norm (the old one)
-        return _seen(Decision(VECTOR, False, "weight-norm gain"), t)
+        return t.confirmed(Decision(VECTOR, False, "weight-norm gain"))
     if t.pname == "weight_v" and (is_linear(t.module) or is_conv(t.module)):
         t.pname = "weight"  # the direction of a weight-normed layer: its matrix
     if len(t.shape) < 2:
@@ -139,9 +130,10 @@ def looked_up(t: Tensor) -> Optional[Decision]:
 def model_ends(t: Tensor) -> Optional[Decision]:
     """Under ``get_output_embeddings()`` / ``get_input_embeddings()`` (the model's own API for its ends)."""
     if id(t.module) in t.facts.modules.output_ids:
-        return _seen(Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="config"), t)
+        return t.confirmed(Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="config"))
     if id(t.module) in t.facts.modules.input_ids:
-        return _seen(Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())", decided_by="config"), t)
+        return t.confirmed(Decision(INPUT_LAYER, False, "input layer (under get_input_embeddings())",
+                                    decided_by="config"))
     return None
 
 
@@ -154,7 +146,7 @@ def head_name(t: Tensor) -> Optional[Decision]:
     u = t.use
     if not f.names_given and u is not None and u.matrix and not u.head:
         return None
-    return _seen(Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="name"), t)
+    return t.confirmed(Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="name"))
 
 
 def labelled_head(t: Tensor) -> Optional[Decision]:
@@ -164,8 +156,8 @@ def labelled_head(t: Tensor) -> Optional[Decision]:
         return None
     outs = int(m.nf if is_conv1d_transformers(m) else t.shape[0])
     if outs in t.facts.configs.labels or outs in t.facts.configs.vocab:
-        return _seen(Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} ({outs} outputs: num_labels / vocab)",
-                              decided_by="config"), t)
+        return t.confirmed(Decision(OUTPUT_HEAD, False, f"{OUTPUT_HEAD} ({outs} outputs: num_labels / vocab)",
+                              decided_by="config"))
     return None
 
 
@@ -174,7 +166,7 @@ def router(t: Tensor) -> Optional[Decision]:
     by = t.router()
     if by is None or t.facts.routers != "adamw":
         return None
-    return _seen(Decision(ROUTER, False, ROUTER, decided_by=by), t)
+    return t.confirmed(Decision(ROUTER, False, ROUTER, decided_by=by))
 
 
 def config_input(t: Tensor) -> Optional[Decision]:
@@ -182,22 +174,22 @@ def config_input(t: Tensor) -> Optional[Decision]:
     if isinstance(t.module, nn.RNNBase) or t.router() or t.plan() is not None or t.plan_error \
             or t.input_width() is None:
         return None
-    return _seen(Decision(INPUT_LAYER, False, f"input layer (reads {t.input_width()} input channels)",
-                          decided_by="config"), t)
+    return t.confirmed(Decision(INPUT_LAYER, False, f"input layer (reads {t.input_width()} input channels)",
+                          decided_by="config"))
 
 
 def depthwise(t: Tensor) -> Optional[Decision]:
     """A depthwise conv (``groups == in_channels``): one filter per channel, not a map of features."""
     if not (is_depthwise(t.module) and t.weight) or t.plan() is not None or t.plan_error:
         return None
-    return _seen(Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)"), t)
+    return t.confirmed(Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)"))
 
 
 def norm(t: Tensor) -> Optional[Decision]:
     """A raw tensor of a module whose class is a norm."""
     if t.matrix_type() or not norm_named(t.module):
         return None
-    return _seen(Decision(VECTOR, False, "norm"), t)
+    return t.confirmed(Decision(VECTOR, False, "norm"))
 
 
 def traced_input(t: Tensor) -> Optional[Decision]:
@@ -254,7 +246,7 @@ def module_matrix(t: Tensor) -> Optional[Decision]:
 def raw(t: Tensor) -> Decision:
     """Anything else: a bare ``nn.Parameter`` of a module that is not a linear map (``A_log``, position
     tables, tokens)."""
-    return _seen(Decision(RAW, False, f"{RAW} of {type(t.module).__name__} (not a linear map it applies)"), t)
+    return t.confirmed(Decision(RAW, False, f"{RAW} of {type(t.module).__name__} (not a linear map it applies)"))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ it (its module, shape, tags, traced use, the config's blocks).  Nothing here dec
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 from torch import nn
@@ -16,6 +17,7 @@ from ..tensors.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL
 from .blocks import config_plan
 from .config import ConfigFacts
 from .fused import FusedPlan
+from .kinds import Decision
 from .module_types import STACK_NAMES, ModuleFacts, is_conv, is_conv1d_transformers, is_fused_experts, is_linear, \
     is_router, unwrap_model
 from .names import HEAD_NAMES, clean_name
@@ -36,6 +38,10 @@ class Tensor:
                                                                                   TENSOR_PARALLEL))
         self._plan: Tuple[Optional[FusedPlan]] = ()
         self.plan_error: Optional[NotImplementedError] = None  # the config's blocks cannot be read (raised later)
+
+    def confirmed(self, d: Decision) -> Decision:
+        """A decision the traced forward confirms (it used the tensor): its evidence is the trace."""
+        return replace(d, decided_by="trace") if self.seen is not None else d
 
     @property
     def weight(self) -> bool:

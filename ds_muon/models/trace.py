@@ -38,8 +38,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .equations import Applied, read as read_equation, tensordot_equation
-from .meta import (_SCALARS, _configs, _fake_scalar, _name, _plain_class, _rebuild, _tensor_memo, _to_meta,  # noqa: F401
-                   all_nonzero, failure, meta_copy, try_meta_copy)  # some re-exported: where they lived
+from .meta import (_SCALARS, _configs, _fake_scalar, _name, _plain_class, _rebuild, _tensor_memo,  # noqa: F401
+                   _to_meta, all_nonzero, failure, meta_copy, try_meta_copy)  # some re-exported: where they lived
 from .inputs import SEQ, default_inputs  # noqa: F401 - re-exported: the inputs one forward runs on
 
 MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "tensordot", "grouped_mm")

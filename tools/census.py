@@ -305,7 +305,7 @@ def final_layers(model, inputs=None):
     ``detach`` keeps its history (:func:`_keep_history_mode`).  ``(names, error)``."""
     from ds_muon.models.inputs import default_inputs
     from ds_muon.models.meta import all_nonzero
-    from ds_muon.models.trace import _to_meta, meta_copy
+    from ds_muon.models.meta import _to_meta, meta_copy
 
     try:
         args, kwargs, _ = inputs if inputs is not None else default_inputs(model)

@@ -12,7 +12,7 @@ from typing import List, Sequence
 from torch import nn
 
 from .integrations.fsdp1 import fsdp1_param_groups, is_fsdp1_model
-from .models.selection import HEAD_NAMES
+from .models.names import HEAD_NAMES
 from .param_groups import muon_param_groups
 
 

@@ -1,5 +1,5 @@
 """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group, by the rules of
-:mod:`ds_muon.models.selection` (hidden weight matrices take Muon, everything else AdamW).
+:mod:`ds_muon.models.decide` (hidden weight matrices take Muon, everything else AdamW).
 
 Also tags what a module declares (split row blocks, ``[in, out]`` storage, fused
 expert stacks) and refuses models whose shapes a stack has hidden.
@@ -13,19 +13,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .tensors.shape import global_shape
-from .tensors.tag_keys import EXPERTS, is_tagged, shape_tags
 from .integrations.fsdp1 import fsdp1_groups
-from .models.experts import check_matrix_dims, check_routers, stack_plan, tag_stacks
-from .models.fused import apply_fused_plan
 from .models.decide import decide
 from .models.evidence import Rules
-from .models.reading import read
+from .models.experts import check_matrix_dims, check_routers, stack_plan, tag_stacks
+from .models.fused import apply_fused_plan
 from .models.kinds import CONV, HIDDEN_MATRIX, ONE_MATRIX, RAW, Decision
-from .models.names import matches
-from .models.selection import HEAD_NAMES, split_params, stores_in_out
+from .models.module_types import is_fused_experts, stores_in_out
+from .models.names import HEAD_NAMES, matches
+from .models.reading import read, split_params
 from .models.tags import expert_weight, split_rows, transposed
-from .models.module_types import is_fused_experts
+from .tensors.shape import global_shape
+from .tensors.tag_keys import EXPERTS, is_tagged, shape_tags
 
 
 def muon_param_groups(
@@ -46,7 +45,7 @@ def muon_param_groups(
 ) -> List[dict]:
     """Param groups for :class:`ds_muon.Muon`: one Muon group, one AdamW group.
 
-    Which tensor takes which is decided by :mod:`ds_muon.models.kinds` from what each module
+    Which tensor takes which is decided by :mod:`ds_muon.models.decide` from what each module
     does and what the model's config says (the rules table is in the README).  Groups record
     ``param_names`` so errors and reports can name tensors, ``param_reasons`` (why each took Muon
     or AdamW) and ``param_kinds`` for :meth:`ds_muon.Muon.summary`.  An FSDP1-wrapped model is

@@ -64,7 +64,7 @@ def _check_against_optimizer(opt, s):
 
 
 def _expected_reason(model, name):
-    """The reason read from the model's modules (independently of ds_muon.models.selection)."""
+    """The reason read from the model's modules (independently of ds_muon.models.reading)."""
     module_name, _, pname = name.rpartition(".")
     mod = model.get_submodule(module_name)
     p = mod.get_parameter(pname)

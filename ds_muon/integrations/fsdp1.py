@@ -3,7 +3,7 @@
 ``use_orig_params=False``
     The optimizer steps 1-D ``FlatParameter`` shards (padded) that mix weights,
     biases and norms.  ``_shard_param_infos`` says where each original tensor's
-    slice sits; the :mod:`~ds_muon.models.selection` rules pick Muon or AdamW per
+    slice sits; the :mod:`~ds_muon.models.decide` rules pick Muon or AdamW per
     original tensor (with the param group's ``head_names`` and ``routers``); the
     AdamW slices become the binding's ``adam_ranges``.
 
@@ -30,13 +30,13 @@ from torch import nn
 from ..engine.exchange.layout import MatrixSlot, ParamBinding, Piece
 from ..engine.exchange.slots import block_slots
 from ..tensors.tag_keys import is_tagged, is_transposed
-from ..models.decide import decide
-from ..models.evidence import rules_of
 from ..models.experts import apply_plan, check_matrix_dims, check_routers, stack_plan
 from ..models.fused import apply_fused_plan
 from ..models.meta import _tensor_memo, failure
-from ..models.reading import read
-from ..models.selection import HEAD_NAMES, HIDDEN_MATRIX, param_reason, stores_in_out
+from ..models.reading import param_decision, param_reason, read
+from ..models.kinds import HIDDEN_MATRIX
+from ..models.module_types import stores_in_out
+from ..models.names import HEAD_NAMES
 from ..models.tags import transposed
 from ..models.trace import Trace, trace as trace_forward
 from .base import BindContext
@@ -152,7 +152,7 @@ def is_flattened_by_fsdp1(param) -> bool:
 
 
 def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> bool:
-    """The :func:`~ds_muon.models.selection.split_params` rule for original tensor ``i`` of a FlatParameter.
+    """The :func:`~ds_muon.models.reading.split_params` rule for original tensor ``i`` of a FlatParameter.
 
     A tensor shared by several modules (tied weights) takes Muon only if every
     module that uses it would give it Muon (a weight tied to an embedding is AdamW).
@@ -161,7 +161,7 @@ def original_is_muon(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, route
 
 
 def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, routers: str = "adamw") -> str:
-    """Why original tensor ``i`` of a FlatParameter takes Muon or AdamW (:func:`~ds_muon.models.selection.param_reason`;
+    """Why original tensor ``i`` of a FlatParameter takes Muon or AdamW (:func:`~ds_muon.models.reading.param_reason`;
     a tied tensor: the first AdamW reason of the modules that share it)."""
     info = flat._param_infos[i]
     shape = tuple(flat._shapes[i])
@@ -177,7 +177,7 @@ def original_reason(flat, i: int, head_names: Sequence[str] = HEAD_NAMES, router
 
 def fused_plan_of(module_name: str, module, pname: str, shape):
     """The fused-projection plan the rules give an original tensor (None: not fused)."""
-    return decide(rules_of(module), module_name, module, pname, shape).plan
+    return param_decision(pname, shape, module_name, module).plan
 
 
 def _shard_piece(flat, i: int, name: str) -> Tuple[Optional[Piece], int]:

@@ -4,7 +4,7 @@ Every column is read from the optimizer's own decisions, none re-derived from sh
 
 * Muon or AdamW: the tensor's param group (``use_muon``); *why*: the reason
   :func:`ds_muon.muon_param_groups` recorded when it decided (``param_reasons``,
-  from :func:`ds_muon.models.selection.param_reasons`), else ``"user group"``;
+  from :func:`ds_muon.models.reading.param_reasons`), else ``"user group"``;
 * matrices: the logical matrices of the layouts the optimizer binds (split row
   blocks, one per expert, the global matrix of a tensor-parallel shard), each with
   the scale factor its update gets (:func:`~ds_muon.rules.scaling.get_muon_scale_factor`

@@ -1,24 +1,30 @@
-"""What each tensor of a model is, read from its modules, its config and its fused projections.
+"""What each tensor of a model is: evidence that only reports what it saw, then one decision.
 
-* :mod:`.trace` — what the forward does with each parameter, read once on a meta copy of the model
-  (consuming ops, input layers, heads, how each output is split); :mod:`.wrappers` — the module behind
-  DDP, ``torch.compile``, PEFT, DeepSpeed's engine, so the wrapper cannot change a decision;
-* :mod:`.meta` — the model's meta copy and what a meta forward needs (shared by the trace and the input search);
-* :mod:`.equations` — which matrix an ``einsum``/``tensordot`` applies with a parameter (in, out and stack axes);
-* :mod:`.kinds` — one decision per tensor (kind, Muon or AdamW, why, its blocks) from module semantics
-  and the model's ends; :mod:`.config` — expert counts and head layouts from the config;
-* :mod:`.fused` — fused projections' blocks (q|k|v, gate|up, interleaved heads), keyed by module class;
-* :mod:`.experts` — fused MoE expert stacks and routers;
-* :mod:`.selection` — the entry point over a model (names only as a fallback);
-* :mod:`.tags` — the tagging functions (``split_rows``, ``tensor_parallel``, ``expert_weight``, ``domain``,
-  ``transposed``, ``fused_blocks``) that say it in the engine's vocabulary (:mod:`ds_muon.tensors.tag_keys`);
-* :mod:`.attention_logits` — ``LogitRecorder``: each attention head's largest pre-softmax logit (S_max, for
-  QK-clip), recorded through transformers' attention-function registry (eager and SDPA).
+The evidence, each module reporting one kind of it:
+
+* :mod:`.module_types` — what each module is (linear, conv, depthwise, embedding, recurrent, fused experts and
+  the routers beside them, torch's parametrizations, PEFT's adapters, the module behind a wrapper) and the
+  model's own API for its ends (``get_input_embeddings()``, ``get_output_embeddings()``, ``base_model``);
+* :mod:`.config` — what the config says of sizes: expert counts, labels, vocabularies, input widths;
+* :mod:`.trace` — what the forward does with each tensor, read once on a meta model (:mod:`.meta` makes the
+  copy, :mod:`.inputs` and :mod:`.input_candidates` find the inputs, :mod:`.recorder` is the mode that
+  follows every tensor, :mod:`.equations` reads what an ``einsum``/``tensordot`` applies);
+* :mod:`.names` — names, the fallback (``head_names``, norms, the wrappers' name prefixes);
+* :mod:`.blocks` — the blocks a matrix is split into, from the config (readers in :mod:`.fused`) or the
+  forward; :mod:`.experts` — fused expert stacks, per expert.
+
+Then :mod:`.evidence` gathers one model's evidence (:class:`~.evidence.Rules`) and views one tensor through
+it; :mod:`.decide` walks :data:`~.decide.PRECEDENCE` once per tensor (the first rule that applies decides,
+in the closed list of :mod:`.kinds`); :mod:`.reading` reads a whole model once (the entry every path calls).
+:mod:`.tags` says the decisions in the engine's vocabulary (``split_rows``, ``tensor_parallel``,
+``expert_weight``, ``domain``, ``transposed``, ``fused_blocks``; the keys on the ground floor,
+:mod:`ds_muon.tensors.tag_keys`); :mod:`.attention_logits` records each head's largest pre-softmax logit for
+QK-clip.  Imports: :mod:`ds_muon.tensors` only; the stacks hand this package original names and shapes.
 """
 
 from .decide import PRECEDENCE
 from .evidence import Rules
-from .reading import classify, model_map, read
 from .kinds import KINDS, MUON_KINDS, Decision
+from .reading import classify, model_map, read
 
 __all__ = ["KINDS", "MUON_KINDS", "Decision", "PRECEDENCE", "Rules", "classify", "model_map", "read"]

@@ -259,7 +259,7 @@ class Rule:
 
 
 SAVED_COPY = Rule("module type (PEFT)", (), peft_saved_copy)
-PARAMETRIZED = Rule("module type", (VECTOR,), parametrized)
+PARAMETRIZED = Rule("module type", (), parametrized)
 PRECEDENCE: Tuple[Rule, ...] = (
     Rule("module type (PEFT)", (), peft_factor),
     SAVED_COPY,

@@ -203,3 +203,28 @@ def test_every_entry_reads_the_same_map(family):
             mod_name = name[: -len(pname) - 1] if name != pname else ""
             p = dict(model.named_parameters())[name]
             assert param_decision(pname, global_shape(p), mod_name, mod, param=p) == d, name
+
+
+def test_the_snapshot_tool_sees_a_changed_decision(tmp_path, capsys):
+    """``tools/decision_snapshot.py`` (how issue 43 showed every decision unchanged): two runs over the same tree
+    compare equal, and one changed decision is reported with its model, setting and tensor."""
+    import json
+
+    import decision_snapshot
+
+    a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert decision_snapshot.main([a, "--only", "gpt2,mixtral"]) == 0
+        assert decision_snapshot.main([b, "--only", "gpt2,mixtral"]) == 0
+    assert decision_snapshot.compare(a, b) == 0
+    snap = json.load(open(b))
+    assert len(snap) == 2 * len(decision_snapshot.SETTINGS)
+    key = "transformers:mixtral | default"
+    name = next(n for n, d in snap[key].items() if d[0] == "muon")
+    snap[key][name][0] = "adamw"
+    json.dump(snap, open(b, "w"))
+    capsys.readouterr()
+    assert decision_snapshot.compare(a, b) == 1
+    out = capsys.readouterr().out
+    assert f"{key}: 1 differ" in out and name in out

@@ -1,5 +1,5 @@
 """The census: every model type the installed transformers builds from a config in code, classified
-by ds_muon's rules (:mod:`ds_muon.models.kinds`), tensor by tensor.
+by ds_muon's rules (:mod:`ds_muon.models.decide`), tensor by tensor.
 
 For each model type of ``MODEL_MAPPING_NAMES`` (a family added by a future transformers release
 enters by itself) the most complete class (causal LM, masked LM, seq2seq, classification, …,

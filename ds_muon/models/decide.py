@@ -292,6 +292,7 @@ def _first(t: Tensor, start: int = 0) -> Decision:
 
 # -- what the module-type rule reads ------------------------------------------------------------------
 def _module_matrix(t: Tensor) -> Optional[Decision]:
+    """What the module's type (and the config's blocks) make of a matrix it applies; None for anything else."""
     m, pname, shape, f = t.module, t.pname, t.shape, t.facts
     if t.router():  # routers="muon"
         return Decision(HIDDEN_LINEAR, True, HIDDEN_MATRIX, decided_by=t.router())

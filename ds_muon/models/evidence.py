@@ -18,10 +18,10 @@ from .blocks import config_plan
 from .config import ConfigFacts
 from .fused import FusedPlan
 from .kinds import Decision
-from .module_types import STACK_NAMES, ModuleFacts, is_conv, is_conv1d_transformers, is_fused_experts, is_linear, \
-    is_router, unwrap_model
-from .names import HEAD_NAMES, clean_name
 from .meta import try_meta_copy
+from .module_types import (STACK_NAMES, ModuleFacts, is_conv, is_conv1d_transformers, is_fused_experts, is_linear,
+                           is_router, unwrap_model)
+from .names import HEAD_NAMES, clean_name
 from .trace import Trace, Use, trace_meta
 
 
@@ -77,8 +77,8 @@ class Tensor:
         return ins if ins in widths and ins <= 4 else None
 
     def matrix_type(self) -> bool:
-        """Its module applies it as a matrix (a linear, conv, recurrent, fused or attention projection) or
-        the user tagged it, or a router."""
+        """Its module applies it as a matrix (a linear, conv, recurrent, fused or attention projection, a
+        router), or the user tagged it."""
         m = self.module
         return ((is_linear(m) or is_conv(m)) and self.weight or isinstance(m, nn.RNNBase)
                 and self.pname.startswith("weight_") or self.plan() is not None
@@ -123,7 +123,6 @@ class Rules:
 
     def options(self) -> tuple:
         return (self.head_names, self.routers, self.split_fused, self.split_attention)
-
 
 
 _RULES_OF: "weakref.WeakKeyDictionary[nn.Module, Rules]" = weakref.WeakKeyDictionary()

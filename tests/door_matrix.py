@@ -357,7 +357,9 @@ def run_fabric(cell: Cell, tmp: str) -> dict:
 
 
 # -- Hugging Face Trainer -------------------------------------------------------------------------
-class _Rows(torch.utils.data.Dataset):
+class TokenRows(torch.utils.data.Dataset):
+    """Token rows as a causal LM's dataset: each row its own labels (the Trainer shifts them)."""
+
     def __init__(self, rows):
         self.rows = rows
 
@@ -368,9 +370,9 @@ class _Rows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def _same_batches_on_every_rank(batches, world: int) -> _Rows:
+def _same_batches_on_every_rank(batches, world: int) -> TokenRows:
     """Rows in order, each batch once per rank: accelerate deals batch k to rank k % world."""
-    return _Rows([row for b in batches for _ in range(world) for row in b])
+    return TokenRows([row for b in batches for _ in range(world) for row in b])
 
 
 def _hf_trainer(cell: Cell, seed: int, out_dir: str, steps: int, save_steps: Optional[int]):

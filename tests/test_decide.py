@@ -26,7 +26,7 @@ import map_models  # noqa: E402
 import trace_models  # noqa: E402
 
 from ds_muon.models.decide import PRECEDENCE, decide  # noqa: E402
-from ds_muon.models.evidence import Rules, Tensor  # noqa: E402
+from ds_muon.models.evidence import Rules, TensorView  # noqa: E402
 from ds_muon.models.reading import classify, model_map, param_decision, read  # noqa: E402
 from ds_muon.tensors.shape import global_shape  # noqa: E402
 
@@ -147,7 +147,7 @@ def zoo():
 
 def _first_rule(rules, mod_name, mod, pname, p):
     """The first entry of PRECEDENCE whose rule applies, walked here entry by entry, and what it gives."""
-    t = Tensor(rules, mod_name, mod, pname, global_shape(p), p, rules.use_of(mod, pname))
+    t = TensorView(rules, mod_name, mod, pname, global_shape(p), p, rules.use_of(mod, pname))
     for entry in PRECEDENCE:
         d = entry.rule(t)
         if d is not None:

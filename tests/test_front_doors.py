@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import dist_harness  # noqa: E402
+from door_matrix import TokenRows  # noqa: E402
 from hf_models import FAMILIES, hf_batches  # noqa: E402
 from test_real_models import expected_muon  # noqa: E402
 
@@ -216,17 +217,6 @@ def test_accelerate_front_door(tmp_path):
 TRAINER_DOORS = tuple(os.environ.get("H17_TRAINER_DOORS", "ddp,fsdp2,zero2,zero3").split(","))
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
 def _trainer_args(door, out_dir, **kw):
     from transformers import TrainingArguments
 
@@ -245,7 +235,7 @@ def _trainer_run(door, out_dir, seed, resume=None):
 
     _fresh_accelerate({})
     trainer = MuonTrainer(model=FAMILIES["llama"](seed=seed), args=_trainer_args(door, out_dir),
-                          train_dataset=_Tokens(_rows(2 * K * 8 * 2, seed=5)), muon_settings=SETTINGS)
+                          train_dataset=TokenRows(_rows(2 * K * 8 * 2, seed=5)), muon_settings=SETTINGS)
     trainer.train(resume_from_checkpoint=resume)
     muon = trainer.muon
     return dict(losses=[r["loss"] for r in trainer.state.log_history if "loss" in r],
@@ -261,8 +251,8 @@ def _evaluate_first_refused(tmp) -> str:
 
     _fresh_accelerate({})
     rows = _rows(8, seed=5)
-    trainer = MuonTrainer(model=FAMILIES["llama"](), args=_trainer_args("ddp", tmp), train_dataset=_Tokens(rows),
-                          eval_dataset=_Tokens(rows), muon_settings=SETTINGS)
+    trainer = MuonTrainer(model=FAMILIES["llama"](), args=_trainer_args("ddp", tmp), train_dataset=TokenRows(rows),
+                          eval_dataset=TokenRows(rows), muon_settings=SETTINGS)
     try:
         trainer.evaluate()
     except RuntimeError as e:
@@ -367,6 +357,6 @@ def test_trainer_refuses_a_launch_it_would_run_alone(tmp_path, monkeypatch):
     try:
         args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=False)
         with pytest.raises(RuntimeError, match=r"started 2 processes.*use_cpu=True"):
-            MuonTrainer(model=FAMILIES["llama"](), args=args, train_dataset=_Tokens(_rows(8, seed=5)))
+            MuonTrainer(model=FAMILIES["llama"](), args=args, train_dataset=TokenRows(_rows(8, seed=5)))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

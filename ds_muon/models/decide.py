@@ -25,7 +25,7 @@ from ..tensors.shape import global_shape
 from ..tensors.tag_keys import EXPERTS
 from .blocks import same_partition, traced_plan
 from .equations import layout
-from .evidence import Rules, Tensor
+from .evidence import Rules, TensorView
 from .experts import stack_plan
 from .fused import FusedPlan, looks_fused
 from .kinds import (CONV, DEPTHWISE, EMBEDDING, EXPERT, FUSED_BLOCK, HIDDEN_LINEAR, HIDDEN_MATRIX, INPUT_LAYER,
@@ -39,7 +39,7 @@ MATRIX_OPS = {"linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "grouped_mm"}
 
 
 # -- the rules, in order of precedence -------------------------------------------------------------------
-def peft_factor(t: Tensor) -> Optional[Decision]:
+def peft_factor(t: TensorView) -> Optional[Decision]:
     """A LoRA factor: the decision of the layer it adapts (one matrix of rank ``r``, never its blocks)."""
     if id(t.module) not in t.facts.modules.lora_factors:
         return None
@@ -60,7 +60,7 @@ def peft_factor(t: Tensor) -> Optional[Decision]:
     return Decision(d.kind, False, f"{d.reason}; LoRA {which} of it ({path})", decided_by=d.decided_by)
 
 
-def peft_saved_copy(t: Tensor) -> Optional[Decision]:
+def peft_saved_copy(t: TensorView) -> Optional[Decision]:
     """A ``modules_to_save`` copy: an end of the model when the module it copies is one (the original is not
     run by the traced forward, the copy is: either saying "end" decides)."""
     original = t.facts.modules.saved_copies.get(id(t.module))
@@ -78,7 +78,7 @@ def peft_saved_copy(t: Tensor) -> Optional[Decision]:
     return Decision(od.kind, False, f"{od.reason}; modules_to_save copy of {path}", decided_by=od.decided_by)
 
 
-def parametrized(t: Tensor) -> Optional[Decision]:
+def parametrized(t: TensorView) -> Optional[Decision]:
     """torch's parametrizations: ``original0`` of ``weight_norm`` is a gain; ``original`` (and ``original1``)
     is the layer's tensor, decided as the layer's own."""
     layer = t.facts.modules.parametrized(t.module)
@@ -86,11 +86,11 @@ def parametrized(t: Tensor) -> Optional[Decision]:
         return None
     if t.pname == "original0":
         return t.confirmed(Decision(VECTOR, False, "weight-norm gain"))
-    inner = Tensor(t.facts, t.facts.modules.path.get(id(layer[0]), ""), layer[0], layer[1], t.shape, t.param, t.use)
+    inner = TensorView(t.facts, t.facts.modules.path.get(id(layer[0]), ""), layer[0], layer[1], t.shape, t.param, t.use)
     return _first(inner, PRECEDENCE.index(PARAMETRIZED) + 1)
 
 
-def embedding(t: Tensor) -> Optional[Decision]:
+def embedding(t: TensorView) -> Optional[Decision]:
     """An embedding's table, or a weight tied to one: rows are looked up."""
     if isinstance(t.module, EMBEDDING_TYPES):
         return t.confirmed(Decision(EMBEDDING, False, EMBEDDING))
@@ -99,7 +99,7 @@ def embedding(t: Tensor) -> Optional[Decision]:
     return None
 
 
-def not_a_matrix(t: Tensor) -> Optional[Decision]:
+def not_a_matrix(t: TensorView) -> Optional[Decision]:
     """An expert bias, a weight-norm gain, anything of fewer than 2 dims (``weight_v`` reads as the weight)."""
     if is_fused_experts(t.module) and t.pname.endswith("bias"):
         return t.confirmed(Decision(VECTOR, False, "expert bias"))
@@ -112,7 +112,7 @@ def not_a_matrix(t: Tensor) -> Optional[Decision]:
     return None
 
 
-def looked_up(t: Tensor) -> Optional[Decision]:
+def looked_up(t: TensorView) -> Optional[Decision]:
     """The forward looks it up (and applies it as no matrix): an embedding, whatever its module says (a
     router, a depthwise conv or a norm's tensor keep their kind)."""
     u = t.seen
@@ -127,7 +127,7 @@ def looked_up(t: Tensor) -> Optional[Decision]:
     return Decision(EMBEDDING, False, f"{EMBEDDING} (looked up: traced)", decided_by="trace")
 
 
-def model_ends(t: Tensor) -> Optional[Decision]:
+def model_ends(t: TensorView) -> Optional[Decision]:
     """Under ``get_output_embeddings()`` / ``get_input_embeddings()`` (the model's own API for its ends)."""
     if id(t.module) in t.facts.modules.output_ids:
         return t.confirmed(Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="config"))
@@ -137,7 +137,7 @@ def model_ends(t: Tensor) -> Optional[Decision]:
     return None
 
 
-def head_name(t: Tensor) -> Optional[Decision]:
+def head_name(t: TensorView) -> Optional[Decision]:
     """``head_names`` (given, or by default for a model without transformers' API for its ends), unless the
     forward shows a hidden layer so named (names the user gave stay the user's word)."""
     f = t.facts
@@ -149,7 +149,7 @@ def head_name(t: Tensor) -> Optional[Decision]:
     return t.confirmed(Decision(OUTPUT_HEAD, False, OUTPUT_HEAD, decided_by="name"))
 
 
-def labelled_head(t: Tensor) -> Optional[Decision]:
+def labelled_head(t: TensorView) -> Optional[Decision]:
     """A linear or conv outside ``base_model`` producing ``config.num_labels`` (or the vocabulary)."""
     m = t.module
     if not ((is_linear(m) or is_conv(m)) and t.weight) or id(m) not in t.facts.modules.head_region:
@@ -161,7 +161,7 @@ def labelled_head(t: Tensor) -> Optional[Decision]:
     return None
 
 
-def router(t: Tensor) -> Optional[Decision]:
+def router(t: TensorView) -> Optional[Decision]:
     """A MoE router (``routers="muon"``: a hidden matrix, decided with the module types below)."""
     by = t.router()
     if by is None or t.facts.routers != "adamw":
@@ -169,7 +169,7 @@ def router(t: Tensor) -> Optional[Decision]:
     return t.confirmed(Decision(ROUTER, False, ROUTER, decided_by=by))
 
 
-def config_input(t: Tensor) -> Optional[Decision]:
+def config_input(t: TensorView) -> Optional[Decision]:
     """A linear or conv reading the config's raw input width (pixel channels, mel bins; at most 4)."""
     if isinstance(t.module, nn.RNNBase) or t.router() or t.plan() is not None or t.plan_error \
             or t.input_width() is None:
@@ -178,21 +178,21 @@ def config_input(t: Tensor) -> Optional[Decision]:
                           decided_by="config"))
 
 
-def depthwise(t: Tensor) -> Optional[Decision]:
+def depthwise(t: TensorView) -> Optional[Decision]:
     """A depthwise conv (``groups == in_channels``): one filter per channel, not a map of features."""
     if not (is_depthwise(t.module) and t.weight) or t.plan() is not None or t.plan_error:
         return None
     return t.confirmed(Decision(DEPTHWISE, False, "depthwise conv (one filter per channel, not a map of features)"))
 
 
-def norm(t: Tensor) -> Optional[Decision]:
+def norm(t: TensorView) -> Optional[Decision]:
     """A raw tensor of a module whose class is a norm."""
     if t.matrix_type() or not norm_named(t.module):
         return None
     return t.confirmed(Decision(VECTOR, False, "norm"))
 
 
-def traced_input(t: Tensor) -> Optional[Decision]:
+def traced_input(t: TensorView) -> Optional[Decision]:
     """The forward feeds it the model's input: a conv (a stem: pixels, audio), or a linear of a model with a
     config (a config-less model's input may be features the user's pipeline made: a hidden map)."""
     u = t.seen
@@ -201,7 +201,7 @@ def traced_input(t: Tensor) -> Optional[Decision]:
     return Decision(INPUT_LAYER, False, "input layer (reads the model's input: traced)", decided_by="trace")
 
 
-def traced_head(t: Tensor) -> Optional[Decision]:
+def traced_head(t: TensorView) -> Optional[Decision]:
     """The final output layer, for every model: its output reaches the model's output with no other weight
     after it (Muon's own rule: the input embedding and the final layer on AdamW)."""
     u = t.seen
@@ -211,7 +211,7 @@ def traced_head(t: Tensor) -> Optional[Decision]:
                     decided_by="trace")
 
 
-def traced_map(t: Tensor) -> Optional[Decision]:
+def traced_map(t: TensorView) -> Optional[Decision]:
     """A raw tensor the forward applies as a linear map: through an equation (``einsum``, ``tensordot``, a
     reshaped view: :mod:`.equations`), per expert (a stack), or as ``x @ W`` (stored ``[in, out]``)."""
     u = t.seen
@@ -235,7 +235,7 @@ def traced_map(t: Tensor) -> Optional[Decision]:
     return Decision(HIDDEN_LINEAR, True, f"{HIDDEN_MATRIX} (applied as a linear map: traced)", None, "trace")
 
 
-def module_matrix(t: Tensor) -> Optional[Decision]:
+def module_matrix(t: TensorView) -> Optional[Decision]:
     """A matrix its module applies (linear, conv, recurrent gates, fused projections and expert stacks with the
     config's blocks, attention projections, a router with ``routers="muon"``, a tagged tensor), in the
     blocks the forward splits its output into where the config gives none."""
@@ -243,7 +243,7 @@ def module_matrix(t: Tensor) -> Optional[Decision]:
     return None if d is None else _traced_blocks(d, t)
 
 
-def raw(t: Tensor) -> Decision:
+def raw(t: TensorView) -> Decision:
     """Anything else: a bare ``nn.Parameter`` of a module that is not a linear map (``A_log``, position
     tables, tokens)."""
     return t.confirmed(Decision(RAW, False, f"{RAW} of {type(t.module).__name__} (not a linear map it applies)"))
@@ -255,7 +255,7 @@ class Rule:
 
     evidence: str
     kinds: Tuple[str, ...]
-    rule: Callable[[Tensor], Optional[Decision]]
+    rule: Callable[[TensorView], Optional[Decision]]
 
 
 SAVED_COPY = Rule("module type (PEFT)", (), peft_saved_copy)
@@ -282,7 +282,7 @@ PRECEDENCE: Tuple[Rule, ...] = (
 )
 
 
-def _first(t: Tensor, start: int = 0) -> Decision:
+def _first(t: TensorView, start: int = 0) -> Decision:
     for entry in PRECEDENCE[start:]:
         d = entry.rule(t)
         if d is not None:
@@ -291,7 +291,7 @@ def _first(t: Tensor, start: int = 0) -> Decision:
 
 
 # -- what the module-type rule reads ------------------------------------------------------------------
-def _module_matrix(t: Tensor) -> Optional[Decision]:
+def _module_matrix(t: TensorView) -> Optional[Decision]:
     """What the module's type (and the config's blocks) make of a matrix it applies; None for anything else."""
     m, pname, shape, f = t.module, t.pname, t.shape, t.facts
     if t.router():  # routers="muon"
@@ -336,7 +336,7 @@ def _module_matrix(t: Tensor) -> Optional[Decision]:
     return None
 
 
-def _traced_blocks(d: Decision, t: Tensor) -> Decision:
+def _traced_blocks(d: Decision, t: TensorView) -> Decision:
     """A module-type matrix as the forward applies it: the blocks it splits the output into (where the config
     gave none and split_fused is on); a difference from the config's blocks is recorded."""
     u, f, shape = t.seen, t.facts, t.shape
@@ -396,4 +396,4 @@ def decide(rules: Rules, module_name: str, module: nn.Module, pname: str, shape:
            param: Optional[torch.Tensor] = None) -> Decision:
     """The decision for one tensor of the model ``rules`` read: the first rule of :data:`PRECEDENCE` that
     applies."""
-    return _first(Tensor(rules, module_name, module, pname, shape, param, rules.use_of(module, pname)))
+    return _first(TensorView(rules, module_name, module, pname, shape, param, rules.use_of(module, pname)))

@@ -1,7 +1,7 @@
 """One model's evidence, gathered once, and one tensor as the rules read it.
 
 :class:`Rules` reads the model through each evidence module (:mod:`.module_types`, :mod:`.config`,
-:mod:`.trace`) with the options of :func:`ds_muon.muon_param_groups`; :class:`Tensor` is one tensor's view of
+:mod:`.trace`) with the options of :func:`ds_muon.muon_param_groups`; :class:`TensorView` is one tensor's view of
 it (its module, shape, tags, traced use, the config's blocks).  Nothing here decides: :mod:`.decide` does.
 """
 
@@ -25,7 +25,7 @@ from .names import HEAD_NAMES, clean_name
 from .trace import Trace, Use, trace_meta
 
 
-class Tensor:
+class TensorView:
     """One tensor as the rules read it: its module, name in the module, shape, the tensor itself (for its
     tags; None under FSDP1 ``use_orig_params=False``) and what the traced forward did with it."""
 
@@ -120,9 +120,6 @@ class Rules:
 
     def untraced_why(self) -> str:
         return self.trace.error or "not used by the traced forward"
-
-    def options(self) -> tuple:
-        return (self.head_names, self.routers, self.split_fused, self.split_attention)
 
 
 _RULES_OF: "weakref.WeakKeyDictionary[nn.Module, Rules]" = weakref.WeakKeyDictionary()

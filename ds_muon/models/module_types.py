@@ -59,15 +59,6 @@ def mark_routers(model: nn.Module) -> None:
                     setattr(m, ROUTER_MARK, True)
 
 
-def param_modules(model: nn.Module) -> Dict[int, Tuple[str, nn.Module]]:
-    """``id(param) -> (param name in its module, module)`` for the modules that own parameters directly."""
-    out: Dict[int, Tuple[str, nn.Module]] = {}
-    for mod in model.modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            out.setdefault(id(p), (pname, mod))
-    return out
-
-
 def is_conv1d_transformers(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2 and kin): a linear layer stored ``[in, out]``."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")

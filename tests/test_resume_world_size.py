@@ -31,9 +31,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import dist_harness  # noqa: E402
+from door_matrix import TokenRows  # noqa: E402
 from hf_models import FAMILIES  # noqa: E402
-from test_front_doors import (ENV, REPO, SETTINGS, _Tokens, _fresh_accelerate, _full_fp32, _rows,  # noqa: E402
-                              launch_env)
+from test_front_doors import ENV, REPO, SETTINGS, _fresh_accelerate, _full_fp32, _rows, launch_env  # noqa: E402
 
 K = 2
 ACCELERATE_DOORS = ("ddp", "fsdp2")
@@ -130,7 +130,7 @@ def _trainer(door, out_dir, seed, record):
                              dataloader_num_workers=0, disable_tqdm=True,
                              **(FSDP2 if door == "fsdp2" else {}))
     trainer = MuonTrainer(model=FAMILIES["llama"](seed=seed), args=args,
-                          train_dataset=_Tokens(_rows(2 * K * 8 * 2, seed=5)), muon_settings=SETTINGS,
+                          train_dataset=TokenRows(_rows(2 * K * 8 * 2, seed=5)), muon_settings=SETTINGS,
                           callbacks=[Record()])
     return trainer
 
@@ -296,7 +296,7 @@ def _ds_trainer(stage, root, resume):
                              report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
                              deepspeed=config)
     trainer = MuonTrainer(model=FAMILIES["llama"](seed=int(resume)), args=args,
-                          train_dataset=_Tokens(_rows(2 * K * 8 * 2, seed=5)), muon_settings=SETTINGS,
+                          train_dataset=TokenRows(_rows(2 * K * 8 * 2, seed=5)), muon_settings=SETTINGS,
                           callbacks=[Record()])
     trainer.train(resume_from_checkpoint=os.path.join(root, f"trainer_zero{stage}", f"checkpoint-{K}") if resume
                   else None)

@@ -115,12 +115,14 @@ def tensordot_equation(a_rank: int, b_rank: int, dims) -> Optional[str]:
     return f"{''.join(a)},{''.join(b)}->{''.join(out)}"
 
 
-def read(equation: str, ranks: Sequence[int], operand: int, axes: Sequence[Sequence[int]],
-         stored_rank: int) -> Optional[Applied]:
+def read(equation: str, ranks: Sequence[int], operand: int, axes: Sequence[Optional[Sequence[int]]],
+         stored_rank: int, members: Sequence[int] = ()) -> Optional[Applied]:
     """The roles of the stored axes of the parameter that is operand ``operand`` of ``equation``
-    (``axes[k]``: the stored axes operand axis ``k`` spans, a view's reshapes and permutes replayed).
-    None where the equation does not apply it as a matrix (no input or no output axis, an axis summed
-    over by itself, an axis the equation repeats, a stored axis split across roles)."""
+    (``axes[k]``: the stored axes operand axis ``k`` spans, the view's slices, reshapes and permutes composed;
+    None for a broadcast axis; ``members``: stored axes the view takes only part of, or one index of: they
+    pick matrices of a stack).  None where the equation does not apply it as a matrix (no input or no output
+    axis, an axis summed over by itself, an axis the equation repeats, a stored axis split across roles, a
+    broadcast input or output axis: the same weights in several places)."""
     parsed = parse(equation, ranks)
     if parsed is None:
         return None
@@ -137,8 +139,14 @@ def read(equation: str, ranks: Sequence[int], operand: int, axes: Sequence[Seque
             role = IN
         else:
             return None  # summed over the parameter alone: not a linear map of the input
+        if spans is None:
+            if role != STACK:
+                return None
+            continue
         for s in spans:
             roles[s].add(role)
+    for m in members:
+        roles[m] = {STACK}
     if any(len(r) > 1 for r in roles):
         return None
     flat = tuple(next(iter(r)) if r else "" for r in roles)

@@ -1,16 +1,23 @@
 """The tracing mode: a ``TorchFunctionMode`` that follows every tensor a meta forward makes, and records for
 each parameter what consumes it (:class:`Use`; what each field means: :mod:`.trace`).
 
-Each tensor the forward makes carries an :class:`_Info`: whether it is still the model's raw input, which
-weights' outputs it is (unmixed), the parameter it is a view of, and a small integer *companion* holding each
-element's output-feature index, on which every split of a weight's output is replayed.
+Each tensor the forward makes carries an :class:`_Info`: whether it is still the model's raw input, the set of
+weights that last produced it, the parameter it is a view of (and where its elements sit in it: :mod:`.views`),
+and a small integer *companion* holding each element's output-feature index, on which every split of a
+weight's output is replayed (:mod:`.splits` reads the blocks).
 
-Over 400 lines: one mode whose op families (views, pieces, products, concatenations, pools, the linear maps
-and equations) read and write the same per-tensor state, so they stay in one class.
+Two rules in place of lists of ops.  *Provenance*: an op that applies a weight as a linear map makes its
+output that weight's alone; every other op passes on the union of its inputs' weights, unless it sums or
+multiplies the outputs of different weights together (:func:`_provenance`); the weights in the set of the
+model's output are its final output layers, whatever ops (a stack of heads, a soft-cap, a sort, a custom
+``autograd.Function``) stand between.  *Views*: any op whose output is a view of a parameter keeps it one, its
+layout composed by torch's own stride rules (:func:`.views.replay`), so a matrix op sees which stored axes are
+the rows and columns of the matrix it applies, and which pick matrices of a stack.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -20,6 +27,8 @@ from torch.utils._pytree import tree_flatten
 
 from .equations import Applied, read as read_equation, tensordot_equation
 from .meta import _SCALARS, _fake_scalar, _name
+from .splits import output_blocks
+from .views import View, axes, extent, replay, row_major, swapped, tensor_index, views_into
 
 
 MATRIX_OPS = ("linear", "matmul", "bmm", "mm", "addmm", "baddbmm", "conv", "einsum", "tensordot", "grouped_mm")
@@ -54,18 +63,25 @@ class Use:
 class _Info:
     raw: bool = False  # derived from the model's input with no weight in between
     weighted: bool = False  # some weight (matrix or lookup) is upstream
-    heads: frozenset = frozenset()  # weights whose output this is, unmixed
-    param: Optional[str] = None  # a view of this parameter (transforms in pview)
-    transposed: bool = False
+    last: frozenset = frozenset()  # the weights that last produced it (the provenance rule: module docstring)
+    param: Optional[str] = None  # a view of this parameter, its elements at ``view``
+    view: Optional[View] = None  # where each element sits in the parameter's row-major storage (None: unknown)
     gathered: bool = False  # rows of a stack picked per token/expert (W[idx])
     comp: Optional[Tuple[str, torch.Tensor]] = None  # (param, feature index of each element)
     pooled: bool = False  # pooled, reduced or tokens picked since the last weight
 
 
-_VIEWS = {"view", "reshape", "permute", "transpose", "t", "contiguous", "clone", "flatten", "unflatten", "squeeze",
-          "unsqueeze", "expand", "movedim", "swapaxes", "swapdims", "expand_as", "view_as", "reshape_as"}
-_SAME = {"to", "type", "float", "half", "bfloat16", "double", "detach", "requires_grad_", "__get__", "cpu", "cuda",
-         "dropout", "alpha_dropout", "feature_alpha_dropout"}
+# Ops that pass a tensor's values on unchanged (casts, copies, dropout at eval): a view of a parameter stays one.
+# (A list because no property of an op tells a cast from an elementwise function of the weight.)
+_SAME = {"to", "type", "float", "half", "bfloat16", "double", "detach", "requires_grad_", "cpu", "cuda",
+         "contiguous", "clone", "dropout", "alpha_dropout", "feature_alpha_dropout"}
+# Ops that combine several inputs' elements arithmetically: weights' outputs summed or multiplied together (a
+# residual stream, attention scores) are no single weight's output any more.  (A list: an op's signature does
+# not tell a sum of two streams from a choice between them, as ``where`` or ``cat`` make.)
+_MIXING = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_",
+           "mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
+           "div_", "true_divide", "addcmul", "addcdiv", "lerp", "matmul", "__matmul__", "__rmatmul__", "bmm",
+           "mm", "baddbmm", "addmm", "einsum", "scaled_dot_product_attention", "linear"}
 _PIECES = {"chunk", "split", "unbind", "tensor_split", "split_with_sizes", "__getitem__", "narrow", "select"}
 _UNARY = {"neg", "__neg__", "silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "exp", "clamp", "clip", "abs",
           "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid", "relu6", "square", "sqrt", "rsqrt", "log",
@@ -100,7 +116,9 @@ class _Recorder(TorchFunctionMode):
         if i is not None:
             return i
         if id(t) in self.params:
-            return _Info(param=self.params[id(t)])
+            name = self.params[id(t)]
+            shape = self.shapes[name]
+            return _Info(param=name, view=(tuple(shape), row_major(shape), 0))
         return _Info()
 
     def put(self, t, info: _Info):
@@ -134,8 +152,7 @@ class _Recorder(TorchFunctionMode):
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if not outs:
             return
-        matrix = self._matrix(name, func, args, kwargs, out)
-        if matrix is not None:
+        if self._matrix(name, func, args, kwargs, out) is not None:
             return
         if name in ("embedding", "embedding_bag"):
             w = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -143,20 +160,11 @@ class _Recorder(TorchFunctionMode):
             if wi.param:
                 self.use(wi.param).ops.add("embedding")
             for o in outs:
-                self.put(o, _Info(weighted=True, heads=frozenset()))
+                self.put(o, _Info(weighted=True))
             return
-        # a view of a parameter (transposed, per expert, reshaped)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         fi = self.get(first) if first is not None else _Info()
-        if fi.param and len(flat_in) >= 1 and flat_in[0] is first and name in (_VIEWS | _SAME | _PIECES | {"T", "mT"}):
-            transposed = fi.transposed ^ (name in ("t", "T", "mT") or (name in ("transpose", "swapaxes", "swapdims")
-                                                                          and _last_two(args, first))
-                                          or (name == "permute" and _swaps_last_two(args, first)))
-            gathered = fi.gathered or (name == "__getitem__" and first.ndim >= 3 and _first_axis_index(args))
-            for o in outs:
-                self.put(o, _Info(param=fi.param, transposed=transposed, gathered=gathered))
-            if name not in _VIEWS and name not in _SAME and name not in ("T", "mT") and not gathered:
-                self.use(fi.param).ops.add("index")
+        if fi.param and flat_in[0] is first and self._param_view(func, name, args, kwargs, first, fi, outs):
             return
         for a, i in zip(flat_in, infos):  # any other use of a parameter: elementwise, gathered
             if i.param:
@@ -165,13 +173,40 @@ class _Recorder(TorchFunctionMode):
         raw = any(i.raw for i in infos) and not weighted
         pooled = any(i.pooled for i in infos) or name in _POOLS or (
             name in ("__getitem__", "select") and first is not None and outs[0].ndim < first.ndim)
-        heads = _merge_heads(infos)
+        last = _provenance(name, infos)
         comps = [(a, i.comp) for a, i in zip(flat_in, infos) if i.comp is not None]
         comp_out: List[Optional[Tuple[str, torch.Tensor]]] = [None] * len(outs)
         if comps:
             comp_out = self._follow(name, func, args, kwargs, flat_in, infos, comps, outs)
         for o, c in zip(outs, comp_out):
-            self.put(o, _Info(raw=raw, weighted=weighted, heads=heads, comp=c, pooled=pooled))
+            self.put(o, _Info(raw=raw, weighted=weighted, last=last, comp=c, pooled=pooled))
+
+    def _param_view(self, func, name, args, kwargs, first, fi: _Info, outs) -> bool:
+        """``first`` is (a view of) a parameter: record each output that is still one, with where its elements
+        sit in the stored tensor (the view algebra: the op replayed on a meta tensor of the same strides)."""
+        if name in _SAME and all(tuple(o.shape) == tuple(first.shape) for o in outs):
+            views = [fi.view] * len(outs)
+        elif all(views_into(o, first) for o in outs):
+            views = [replay(func, args, kwargs, first, fi.view, len(outs))] * 1
+            views = views[0] if views[0] is not None else [None] * len(outs)
+        elif name == "__getitem__" and tensor_index(args):
+            # W[idx]: rows picked (a copy); of a stack, its matrices per token or expert, last two axes as stored
+            stack = len(self.shapes[fi.param]) >= 3
+            for o in outs:
+                self.put(o, _Info(param=fi.param, view=(tuple(o.shape), row_major(o.shape), 0) if stack else None,
+                                  gathered=stack))
+            if not stack:
+                self.use(fi.param).ops.add("index")
+            return True
+        else:
+            return False
+        numel = math.prod(self.shapes[fi.param])
+        u = self.use(fi.param)  # the forward reads it (as what: the op its views reach says)
+        for o, v in zip(outs, views):
+            self.put(o, _Info(param=fi.param, view=v, gathered=fi.gathered))
+            if not fi.gathered and (v is None or extent(v) < numel):
+                u.ops.add("index")  # a slice, an index, a piece of it
+        return True
 
     def _matrix(self, name, func, args, kwargs, out):
         """A weight applied as a linear map: record its use and start its output's companion."""
@@ -205,20 +240,22 @@ class _Recorder(TorchFunctionMode):
         u = self.use(wi.param)
         u.ops.add(op)
         shape = self.shapes[wi.param]
-        if op in ("linear", "matmul", "mm", "addmm") and w.ndim == 2 and len(shape) != 2:
-            # a reshaped view applied as a matrix ([H, hd, D] as [H·hd, D]): which stored axes are in and out
+        if op in ("linear", "matmul", "mm", "addmm") and w.ndim == 2 and len(shape) != 2 and not wi.gathered:
+            # a 2-D view of an N-D parameter applied as a matrix ([H, hd, D] as [H·hd, D], a slice of a stack):
+            # which stored axes are its rows and columns (and which pick matrices of a stack)
             if op == "linear" or in_out:  # x W^T, x W: the parameter is the second operand
                 eq, ranks, k = ("...i,oi->...o" if op == "linear" else "...i,io->...o"), [data.ndim, 2], 1
             else:  # W x
                 eq, ranks, k = ("oi,i->o" if data.ndim == 1 else "oi,...in->...on"), [2, data.ndim], 0
-            self._read(u, eq, ranks, k, w, wi.param)
+            self._read(u, eq, ranks, k, wi, wi.param)
             if di.raw:
                 u.input_layer = True
             self.put(out if isinstance(out, torch.Tensor) else None,
-                     _Info(weighted=True, heads=frozenset({wi.param})))
+                     _Info(weighted=True, last=frozenset({wi.param})))
             return op
-        stored = in_out ^ wi.transposed
-        if op != "conv":
+        transposed = swapped(wi.view)
+        stored = None if transposed is None else in_out ^ transposed
+        if op != "conv" and stored is not None:
             u.stored_in_out = stored if u.stored_in_out is None else (u.stored_in_out if u.stored_in_out == stored
                                                                        else None)
         u.experts = u.experts or len(shape) >= 3 and op != "conv"
@@ -239,7 +276,7 @@ class _Recorder(TorchFunctionMode):
             sh = [1] * o.ndim
             sh[feat_axis] = n
             comp = (wi.param, idx.view(sh).expand(tuple(o.shape)).contiguous())
-        self.put(o, _Info(weighted=True, heads=frozenset({wi.param}), comp=comp))
+        self.put(o, _Info(weighted=True, last=frozenset({wi.param}), comp=comp))
         return op
 
     def _equation(self, name, args, kwargs, out):
@@ -258,21 +295,21 @@ class _Recorder(TorchFunctionMode):
         for k in params:
             u = self.use(infos[k].param)
             u.ops.add(name)
-            self._read(u, eq, [t.ndim for t in ts], k, ts[k], infos[k].param)
+            self._read(u, eq, [t.ndim for t in ts], k, infos[k], infos[k].param)
             others = [j for n, j in enumerate(infos) if n != k]
             if any(j.raw for j in others) and not any(j.weighted for j in others):
                 u.input_layer = True
             if any(j.pooled for j in others):
                 u.pooled_input = True
-        heads = frozenset({infos[params[0]].param}) if len(params) == 1 else frozenset()
-        self.put(out if isinstance(out, torch.Tensor) else None, _Info(weighted=True, heads=heads))
+        last = frozenset({infos[params[0]].param}) if len(params) == 1 else frozenset()
+        self.put(out if isinstance(out, torch.Tensor) else None, _Info(weighted=True, last=last))
         return name
 
-    def _read(self, u: Use, eq, ranks, k: int, t: torch.Tensor, pname: str) -> None:
-        """Record the map ``eq`` applies with operand ``k`` (``t``, a view of parameter ``pname``)."""
+    def _read(self, u: Use, eq, ranks, k: int, info: _Info, pname: str) -> None:
+        """Record the map ``eq`` applies with operand ``k`` (a view of parameter ``pname`` at ``info.view``)."""
         shape = self.shapes[pname]
-        spans = _spans(t, shape) if isinstance(eq, str) else None
-        a = read_equation(eq, ranks, k, spans, len(shape)) if spans is not None else None
+        seen = axes(info.view, shape) if isinstance(eq, str) and not info.gathered else None
+        a = read_equation(eq, ranks, k, seen[0], len(shape), seen[1]) if seen is not None else None
         if a is None:
             u.applied_unread = u.applied_unread or f"{eq!r} does not apply it as a linear map of its input"
         elif u.applied is not None and u.applied.roles != a.roles:
@@ -284,8 +321,8 @@ class _Recorder(TorchFunctionMode):
         """The companion of each output (None where the op mixes features or is not a rearrangement)."""
         none = [None] * len(outs)
         src, (pname, comp) = comps[0]
-        if name in _VIEWS | _SAME | _PIECES | {"T", "mT"} and args and args[0] is src:
-            if name in _SAME or name in ("contiguous", "clone"):
+        if args and args[0] is src and (name in _SAME or all(views_into(o, src) for o in outs)):
+            if name in _SAME:
                 return [(pname, comp)] * len(outs) if all(o.shape == comp.shape for o in outs) else none
             rest = [a for a in tree_flatten((args[1:], kwargs))[0] if isinstance(a, torch.Tensor)]
             if rest:  # an index tensor (advanced indexing): the pieces are not a split we can read
@@ -294,7 +331,7 @@ class _Recorder(TorchFunctionMode):
             res = list(res) if isinstance(res, (tuple, list)) else [res]
             if len(res) != len(outs) or any(tuple(r.shape) != tuple(o.shape) for r, o in zip(res, outs)):
                 return none
-            if name in _PIECES:
+            if any(r.numel() < comp.numel() for r in res):  # pieces of it: perhaps a split of the features
                 self.pieces.setdefault(id(src), []).extend(res)
                 self.sources[id(src)] = (pname, comp)
                 self.keep.append(src)
@@ -302,7 +339,7 @@ class _Recorder(TorchFunctionMode):
         if name in _UNARY and len(comps) == 1 and len(outs) == 1 and outs[0].shape == comp.shape:
             return [(pname, comp)]
         if name in _LINEAR_BIN | _PRODUCT_BIN and len(outs) == 1:
-            others = [i for a, i in zip(flat_in, infos) if i.comp is None and (i.weighted or i.heads)]
+            others = [i for a, i in zip(flat_in, infos) if i.comp is None and (i.weighted or i.last)]
             if len(comps) == 1:
                 if others or outs[0].shape != comp.shape:
                     return none
@@ -331,110 +368,23 @@ class _Recorder(TorchFunctionMode):
     # -- the end
     def finish(self, outputs: Sequence[torch.Tensor]) -> Dict[str, Use]:
         for t in outputs:
-            for p in self.get(t).heads:
-                self.use(p).head = True
-        splits: Dict[str, List[torch.Tensor]] = {}  # param -> per split: piece id of each feature (-1: not in)
-        for sid, pieces in self.pieces.items():
-            pname, comp = self.sources[sid]
-            n = self.uses[pname].features or int(comp.max()) + 1
-            whole = _present(comp, n)
-            sets: List[torch.Tensor] = []
-            for pc in pieces:
-                m = _present(pc, n)
-                if torch.equal(m, whole):
-                    continue  # a piece with every feature: rows or tokens picked, not a split
-                if not any(torch.equal(m, t) for t in sets):
-                    sets.append(m)
-            if len(sets) < 2 or not torch.equal(torch.stack(sets).sum(0), whole.long()):
-                continue  # not a partition of the features
-            if any(r.shape == comp.shape and torch.equal(r, comp) for p, r in self.rejoined if p == pname):
-                continue  # concatenated back as it was
-            piece_of = torch.full((n,), -1, dtype=torch.int64)
-            for k, m in enumerate(sets):
-                piece_of[m] = k
-            splits.setdefault(pname, []).append(piece_of)
-        for pname, c1, c2 in self.mixed:  # splits whose pieces are added together again are undone
-            if pname not in splits:
-                continue
-            a, b = c1.reshape(-1).long(), c2.reshape(-1).long()
-            kept = []
-            for piece_of in splits[pname]:
-                pa, pb = piece_of[a], piece_of[b]
-                if not bool(((pa != pb) & (pa >= 0) & (pb >= 0)).any()):
-                    kept.append(piece_of)
-            splits[pname] = kept
-        for pname, plist in splits.items():
-            if not plist:
-                continue
-            u = self.uses[pname]
-            n = int(plist[0].numel())
-            sig = torch.stack(plist, dim=1)  # [features, splits]
-            groups: Dict[tuple, List[int]] = {}
-            for f in range(n):
-                groups.setdefault(tuple(sig[f].tolist()), []).append(f)
-            if len(groups) > 1:
-                u.blocks = sorted(groups.values(), key=lambda g: g[0])
+            for p in self.get(t).last:
+                if p in self.uses:
+                    self.use(p).head = True
+        for pname, blocks in output_blocks(self.uses, self.pieces, self.sources, self.rejoined, self.mixed).items():
+            self.uses[pname].blocks = blocks
         return self.uses
 
 
-def _present(comp: torch.Tensor, n: int) -> torch.Tensor:
-    """Which of the ``n`` output features a companion holds (a mask)."""
-    return torch.bincount(comp.reshape(-1).long(), minlength=n)[:n] > 0
-
-
-def _last_two(args, t) -> bool:
-    dims = [a for a in args[1:3] if isinstance(a, int)]
-    if len(dims) != 2:
-        return False
-    nd = t.ndim
-    return sorted(d % nd for d in dims) == [nd - 2, nd - 1]
-
-
-def _swaps_last_two(args, t) -> bool:
-    """``permute(dims)`` that swaps the last two axes and keeps the others (a 2-D ``w.permute(1, 0)``)."""
-    dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-    nd = t.ndim
-    if len(dims) != nd or nd < 2 or not all(isinstance(d, int) for d in dims):
-        return False
-    return [d % nd for d in dims] == list(range(nd - 2)) + [nd - 1, nd - 2]
-
-
-def _first_axis_index(args) -> bool:
-    """``W[idx]`` / ``W[e]``: rows of the first axis of a stack picked (per expert)."""
-    if len(args) < 2:
-        return False
-    idx = args[1]
-    if isinstance(idx, tuple):
-        idx = idx[0] if idx else None
-    return isinstance(idx, (int, torch.Tensor))
-
-
-def _spans(t: torch.Tensor, shape) -> Optional[List[Tuple[int, ...]]]:
-    """The axes of the contiguous stored ``shape`` that each axis of ``t`` spans, where ``t`` is a view of
-    it (reshaped, permuted: read from its strides); None where it is not (a slice, an expanded view)."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    if t.numel() != numel or t.layout != torch.strided:
-        return None
-    stored, st = [], 1
-    for n in reversed(shape):
-        stored.insert(0, (st, st * int(n)))
-        st *= int(n)
-    axes = sorted((int(s), int(n), k) for k, (n, s) in enumerate(zip(t.shape, t.stride())) if n > 1)
-    expect = 1
-    for s, n, _ in axes:
-        if s != expect:
-            return None
-        expect *= n
-    spans: List[Tuple[int, ...]] = [()] * t.ndim
-    for s, n, k in axes:
-        spans[k] = tuple(j for j, (lo, hi) in enumerate(stored) if hi > lo and lo < s * n and hi > s)
-    return spans
-
-
-def _merge_heads(infos) -> frozenset:
-    """The weight whose output this is: the one every weighted input comes from alone (a bias, a cast, a
-    constant keep it; a residual stream or another weight's output added to it mixes it away)."""
-    sets = {i.heads for i in infos if i.heads or i.weighted}
-    return next(iter(sets)) if len(sets) == 1 else frozenset()
+# -- the provenance rule ----------------------------------------------------------------------------
+def _provenance(name: str, infos: Sequence[_Info]) -> frozenset:
+    """The weights that last produced an op's output: the union of its inputs' (a stack, a concatenation, a
+    choice, a cast, a soft-cap, a sort keep every weight whose output they pass on), except where the op sums or
+    multiplies the outputs of different weights together (:data:`_MIXING`: a residual stream, attention
+    scores), which no single weight produced."""
+    sets = [i.last for i in infos if i.last or i.weighted]
+    if not sets:
+        return frozenset()
+    if name in _MIXING and len(set(sets)) > 1:
+        return frozenset()
+    return frozenset().union(*sets)

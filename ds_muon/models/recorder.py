@@ -82,6 +82,9 @@ _MIXING = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "
            "mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
            "div_", "true_divide", "addcmul", "addcdiv", "lerp", "matmul", "__matmul__", "__rmatmul__", "bmm",
            "mm", "baddbmm", "addmm", "einsum", "scaled_dot_product_attention", "linear"}
+# Ops that return a view where the strides allow and a copy otherwise (``reshape`` after a ``permute``): the copy
+# rearranges the elements as the view would, so an output's feature companion follows it all the same.
+_RESHAPES = {"reshape", "reshape_as", "flatten"}
 _PIECES = {"chunk", "split", "unbind", "tensor_split", "split_with_sizes", "__getitem__", "narrow", "select"}
 _UNARY = {"neg", "__neg__", "silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "exp", "clamp", "clip", "abs",
           "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid", "relu6", "square", "sqrt", "rsqrt", "log",
@@ -321,7 +324,7 @@ class _Recorder(TorchFunctionMode):
         """The companion of each output (None where the op mixes features or is not a rearrangement)."""
         none = [None] * len(outs)
         src, (pname, comp) = comps[0]
-        if args and args[0] is src and (name in _SAME or all(views_into(o, src) for o in outs)):
+        if args and args[0] is src and (name in _SAME | _RESHAPES or all(views_into(o, src) for o in outs)):
             if name in _SAME:
                 return [(pname, comp)] * len(outs) if all(o.shape == comp.shape for o in outs) else none
             rest = [a for a in tree_flatten((args[1:], kwargs))[0] if isinstance(a, torch.Tensor)]

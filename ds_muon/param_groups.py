@@ -113,7 +113,8 @@ def muon_param_groups(
         if not frozen:
             raise ValueError(
                 f"muon_param_groups: no hidden weight matrix found among {len(adam)} trainable tensors (every one is "
-                f"an embedding, an output head ({list(head_names)}), or has fewer than 2 dimensions), so Muon would "
+                f"an embedding, an input layer (the first weight the model's input meets), an output head "
+                f"({list(head_names)}), or has fewer than 2 dimensions), so Muon would "
                 "train nothing and everything would silently run AdamW. Use AdamW itself for such a model, pass "
                 "include= for a tensor that is a hidden linear map, or head_names= if a hidden layer is named like a "
                 "head")

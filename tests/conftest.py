@@ -4,6 +4,9 @@ import sys
 # the workers spawned by dist_harness import test modules by name
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# What importing a library writes into the environment, written up front: the test that first imports it leaks
+# nothing (``_leaves_global_state_as_found``).  DeepSpeed's ``__init__`` sets this one.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import pytest  # noqa: E402
 
@@ -38,3 +41,22 @@ def pytest_collection_modifyitems(config, items):
         why = FULL_SUITE_ONLY.get(item.nodeid)
         if why:
             item.add_marker(pytest.mark.skip(reason=f"opt-in, DS_MUON_FULL_SUITE=1 ({why})"))
+
+
+@pytest.fixture(autouse=True)
+def _leaves_global_state_as_found(request):
+    """Fail a test that leaves process-wide state (threads, dtypes, numerics switches, ds_muon's pins, the
+    environment: ``global_state``) changed for the next test in this process: such a leak changes the bits
+    of whichever test runs next, so it fails here, where it is made."""
+    import global_state
+    import torch.distributed as dist
+
+    before = global_state.snapshot()
+    yield
+    after = global_state.snapshot()
+    leaked = global_state.changes(before, after)
+    if dist.is_available() and dist.is_initialized():
+        leaked += "\n  a process group is still initialised in the test process"
+    if leaked:
+        pytest.fail(f"{request.node.nodeid} left process-wide state changed for the next test:\n{leaked}",
+                    pytrace=False)

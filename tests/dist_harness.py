@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import global_state
+
 
 @contextlib.contextmanager
 def one_thread():
@@ -162,8 +164,13 @@ def _pooled_entry(rank, world, port, tasks, out, env):
         result = None
         try:
             _fresh_call_state(rank)
+            before = global_state.snapshot(env=False)  # the environment is put back below
             result = fn(rank, world, *args)
             dist.barrier()
+            leaked = global_state.changes(before, global_state.snapshot(env=False))
+            if leaked:  # the next call in this rank would see it: fail the call that made it
+                raise AssertionError(f"{getattr(fn, '__qualname__', fn)} left process-wide state changed in a "
+                                     f"pooled rank (a fresh rank would not see it):\n{leaked}")
             buf = io.BytesIO()
             torch.save(result, buf)
             out.put((call, rank, True, buf.getvalue()))

@@ -123,7 +123,8 @@ def test_every_adapter_follows_the_protocol():
 
 def _mlp(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3))  # 4: output layer
+    # 0: the input layer, 6: the output layer (AdamW); 2 and 4: hidden matrices
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3))
 
 
 def _grads(model, seed):
@@ -150,7 +151,7 @@ def test_adapter_chosen_at_construction_describes_every_muon_tensor():
         _grads(ref_model, t)
         opt.step()
         ref.step()
-    assert seen == [("0.weight", None, model, 0.03), ("2.weight", None, model, 0.03)]  # bound once, then cached
+    assert seen == [("2.weight", None, model, 0.03), ("4.weight", None, model, 0.03)]  # bound once, then cached
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
@@ -165,12 +166,12 @@ def test_an_adapter_that_applies_in_step_turns_deferred_updates_off():
         adapter = None if kind == "default" else _AppliesInStep(lambda p, n, c: bind_replicated(p, n))
         opt = ds_muon.Muon(ds_muon.muon_param_groups(model), overlap=True, apply_in_forward=True, model=model,
                            adapter=adapter, ns_dtype=torch.float32)
-        before = model[0].weight.detach().clone()
+        before = model[2].weight.detach().clone()
         _grads(model, 0)
         opt.step()
-        steps[kind] = (torch.equal(model[0].weight, before), opt)
+        steps[kind] = (torch.equal(model[2].weight, before), opt)
         opt.flush()
-        steps[kind] += (model[0].weight.detach().clone(),)
+        steps[kind] += (model[2].weight.detach().clone(),)
     assert steps["default"][0] is True  # deferred to the next forward (or flush)
     assert steps["in_step"][0] is False  # applied inside step()
     assert steps["default"][1].runtime.stack_allows_overlap() and not steps["in_step"][1].runtime.stack_allows_overlap()

@@ -126,13 +126,13 @@ def _submesh_worker(rank, world):
     if rank != 0:
         return None
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))  # input, hidden, output
     fully_shard(model, mesh=mesh)
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model))
     model(torch.randn(2, 8)).sum().backward()
-    before = model[0].weight.full_tensor().clone()
+    before = model[1].weight.full_tensor().clone()
     opt.step()  # with the world as its group this would wait for rank 1 forever
-    return not torch.equal(before, model[0].weight.full_tensor())
+    return not torch.equal(before, model[1].weight.full_tensor())
 
 
 def test_fsdp2_on_a_sub_mesh_steps_in_the_mesh_group():

@@ -33,7 +33,9 @@ def _one_thread():
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))  # 4: output layer
+    # 0: the input layer and 6: the output layer (AdamW); 2 and 4: hidden matrices (Muon)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 5), nn.LayerNorm(5),
+                         nn.Linear(5, 3))
 
 
 def _train(model, opt, steps=2, dtype=torch.float32):
@@ -120,9 +122,9 @@ def _trained():
 def test_loaded_momentum_that_does_not_fit_is_refused_naming_it(key, value, match):
     model, opt = _trained()
     sd = copy.deepcopy(opt.state_dict())
-    sd["state"][0][key] = value  # state 0: the first Muon matrix, 0.weight
+    sd["state"][0][key] = value  # state 0: the first Muon matrix, 2.weight
     before = copy.deepcopy((list(model.state_dict().values()), opt.state_dict()))
-    with pytest.raises(ValueError, match="loaded state of 0.weight: " + match):
+    with pytest.raises(ValueError, match="loaded state of 2.weight: " + match):
         opt.load_state_dict(sd)
     _assert_unchanged(before, model, opt)
 
@@ -158,24 +160,24 @@ def _assert_unchanged(before, model, opt):
 
 
 def _fault_momentum_shape(model, opt, monkeypatch):
-    opt.state[model[0].weight]["momentum_buffer"] = torch.zeros(3, 3)
-    return r"0.weight has shape \(6, 8\) but its optimizer state 'momentum_buffer' has shape \(3, 3\)"
+    opt.state[model[2].weight]["momentum_buffer"] = torch.zeros(3, 3)
+    return r"2.weight has shape \(6, 8\) but its optimizer state 'momentum_buffer' has shape \(3, 3\)"
 
 
 def _fault_momentum_dtype(model, opt, monkeypatch):
-    st_ = opt.state[model[2].weight]
+    st_ = opt.state[model[4].weight]
     st_["momentum_buffer"] = st_["momentum_buffer"].double()
-    return "2.weight is torch.float32 on cpu but its optimizer state 'momentum_buffer' is torch.float64"
+    return "4.weight is torch.float32 on cpu but its optimizer state 'momentum_buffer' is torch.float64"
 
 
 def _fault_momentum_device(model, opt, monkeypatch):
-    opt.state[model[2].weight]["momentum_buffer"] = torch.zeros(5, 6, device="meta")
-    return "2.weight is torch.float32 on cpu but its optimizer state 'momentum_buffer' is torch.float32 on meta"
+    opt.state[model[4].weight]["momentum_buffer"] = torch.zeros(5, 6, device="meta")
+    return "4.weight is torch.float32 on cpu but its optimizer state 'momentum_buffer' is torch.float32 on meta"
 
 
 def _fault_adamw_second_tensor(model, opt, monkeypatch):
-    opt.state[model[3].weight]["exp_avg"] = torch.zeros(4)  # AdamW's later tensors: the first would have stepped
-    return r"3.weight has shape \(5,\) but its optimizer state 'exp_avg' has shape \(4,\)"
+    opt.state[model[5].weight]["exp_avg"] = torch.zeros(4)  # AdamW's later tensors: the first would have stepped
+    return r"5.weight has shape \(5,\) but its optimizer state 'exp_avg' has shape \(4,\)"
 
 
 def _fault_planner(model, opt, monkeypatch):
@@ -224,7 +226,7 @@ def test_dtype_change_fails_naming_the_tensor_then_recast_goes_on():
     model.to(torch.bfloat16)
     _backward(model, torch.bfloat16)
     before = _snapshot(model, opt)
-    with pytest.raises(ValueError, match=r"0.weight is torch.bfloat16 on cpu but its optimizer state "
+    with pytest.raises(ValueError, match=r"2.weight is torch.bfloat16 on cpu but its optimizer state "
                                          r"'momentum_buffer' is torch.float32.*opt.load_state_dict\(opt.state_dict\(\)\)"):
         opt.step()
     _assert_unchanged(before, model, opt)

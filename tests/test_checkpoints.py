@@ -140,8 +140,10 @@ def _refusals(root):
     unchanged = all(torch.equal(a[n], b[n]) for a, b in zip(before[:2], after[:2]) for n in a) and all(
         torch.equal(before[2][n][k], after[2][n][k]) for n in before[2] for k in before[2][n])
     # a plain state dict from another model: same names and group sizes, other shapes
-    wide = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    narrow = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
+    wide = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 8))
+    narrow = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 12), torch.nn.ReLU(),
+                                 torch.nn.Linear(12, 8))
     src = ds_muon.Muon(ds_muon.muon_param_groups(wide, head_names=()), log_summary=False)
     dst = ds_muon.Muon(ds_muon.muon_param_groups(narrow, head_names=()), log_summary=False)
     for m, o in ((wide, src), (narrow, dst)):
@@ -355,7 +357,7 @@ def test_mismatched_checkpoints_refused_on_every_rank_changing_nothing(saved):
         assert "param group 0, tensor" in ds_error, ds_error
         assert '"type": "muon"' in ds_error and "ds-muon convert" in ds_error, ds_error
         assert plain_error is not None and plain_unchanged, plain_error
-        assert "0.weight" in plain_error and "(16, 8)" in plain_error and "ds-muon convert" in plain_error, plain_error
+        assert "2.weight" in plain_error and "(16, 16)" in plain_error and "ds-muon convert" in plain_error, plain_error
 
 
 def test_from_deepspeed_muon_and_other_world_size(saved, at_w1):

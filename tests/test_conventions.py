@@ -59,17 +59,17 @@ def test_load_refuses_swapped_groups_and_other_tensor_names():
     opt = build(a)
     train(a, opt)
     sd = opt.state_dict()
-    assert [len(g["params"]) for g in sd["param_groups"]] == [2, 4]  # 4.weight: the output layer, AdamW
+    assert [len(g["params"]) for g in sd["param_groups"]] == [1, 5]  # 0.weight, 4.weight: input and output layers, AdamW
     b = mlp(1)
     fresh = build(b)
     train(b, fresh, steps=1)
     before = snapshot(b, fresh)
     swapped = dict(sd, param_groups=sd["param_groups"][::-1])
-    with pytest.raises(ValueError, match=r"param_groups\[0\] has use_muon=False.*first tensor 0.weight.*use_muon=True"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has use_muon=False.*first tensor 2.weight.*use_muon=True"):
         fresh.load_state_dict(swapped)
     renamed = copy.deepcopy(sd)
-    renamed["param_groups"][0]["param_names"][1] = "blocks.9.weight"
-    with pytest.raises(ValueError, match=r"param_groups\[0\] names tensor 1 'blocks.9.weight'.*'2.weight'"):
+    renamed["param_groups"][0]["param_names"][0] = "blocks.9.weight"
+    with pytest.raises(ValueError, match=r"param_groups\[0\] names tensor 0 'blocks.9.weight'.*'2.weight'"):
         fresh.load_state_dict(renamed)
     assert same(before, snapshot(b, fresh))
     fresh.load_state_dict(sd)  # the matching one still loads

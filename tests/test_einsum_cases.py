@@ -90,12 +90,14 @@ class Applies(nn.Module):
         self.case = case
         self.w = nn.Parameter(torch.randn(case.sizes) / 3)
         n_out = _prod([s for s, r in zip(case.sizes, case.roles) if r == "out"])
+        self.pre = nn.Linear(case.x_shape[-1], case.x_shape[-1])  # the input layer: the parameter is a hidden map
         self.read = nn.Linear(1, 3)  # reads the result: the parameter is no output layer
         self.out = nn.Linear(3, 2)
         self.n_out = n_out
 
     def forward(self, x):
         c, w = self.case, self.w
+        x = self.pre(x)
         if c.how == "einsum":
             y = torch.einsum(c.equation, w, x) if c.param_first else torch.einsum(c.equation, x, w)
         elif c.how == "tensordot":

@@ -23,7 +23,7 @@ TIMEOUT_S = 8  # the step group's: a hang on the old code costs this, once per c
 
 def _model():
     torch.manual_seed(0)  # the same replica on every rank (no wrapper: the grads must agree too)
-    return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 4))
+    return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 4))
 
 
 def _backward(model, sparse_on=None):

@@ -93,7 +93,9 @@ def _ranks_worker(rank, world):
     for layer in model:
         fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
     held, _ = _held_and_peak("ds_muon", model, peak=False)
-    state = sum(p.to_local().numel() * 4 for p in model.parameters() if p.ndim == 2)  # momentum of local shards
+    muon = {id(p) for g in ds_muon.muon_param_groups(model) if g["use_muon"] for p in g["params"]}
+    # the local shards' state: Muon's momentum, or AdamW's two moments (the input and output layers)
+    state = sum(p.to_local().numel() * 4 * (1 if id(p) in muon else 2) for p in model.parameters() if p.ndim == 2)
     out["fsdp2"] = (held, state)
     out["flat"] = flat, fills
     return out

@@ -31,6 +31,7 @@ class GatedMLP(nn.Module):
     def __init__(self, seed=0):
         super().__init__()
         torch.manual_seed(seed)
+        self.inp = nn.Linear(10, 10, bias=False)  # the input layer (AdamW): the FFN reads hidden states
         self.w_in = nn.Linear(10, 22, bias=False)
         self.w_gate = nn.Linear(10, 22, bias=False)
         self.w_out = nn.Linear(22, 13, bias=False)
@@ -38,6 +39,7 @@ class GatedMLP(nn.Module):
         self.out = nn.Linear(9, 5)  # the output layer (AdamW): proj stays a hidden matrix
 
     def forward(self, x):
+        x = self.inp(x)
         return self.out(torch.tanh(self.proj(torch.relu(self.w_out(torch.nn.functional.silu(self.w_gate(x)) *
                                                                     self.w_in(x))))))
 

@@ -673,8 +673,8 @@ def test_every_kind_of_matrix_under_ddp_and_fsdp2():
 # -- FSDP1's optimizer state dicts ---------------------------------------------------------------------
 def _fsdp1_model(seed):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 9, bias=False), nn.Tanh(), nn.Linear(9, 5, bias=True), nn.Tanh(),
-                         nn.Linear(5, 5, bias=False))  # 4: the output layer (AdamW)
+    return nn.Sequential(nn.Linear(7, 7, bias=False), nn.Linear(7, 9, bias=False), nn.Tanh(), nn.Linear(9, 5, bias=True),
+                         nn.Tanh(), nn.Linear(5, 5, bias=False))  # 0: the input layer, 5: the output layer (AdamW)
 
 
 def _fsdp1_batch(t):
@@ -787,18 +787,19 @@ def test_fsdp1_optim_state_dict_carries_the_moment():
                 one.load_state_dict(msd)
                 opt1 = ds_muon.Muon(ds_muon.muon_param_groups(one), variant="normuon", log_summary=False)
                 load_named(opt1, named_state(osd))
-                assert all(torch.is_tensor(opt1.state[p]["normuon_v"]) for p in (one[0].weight, one[2].weight))
+                assert all(torch.is_tensor(opt1.state[p]["normuon_v"]) for p in (one[1].weight, one[3].weight))
                 one(_fsdp1_batch(2)).square().sum().backward()
                 opt1.step()
+                muon = {n for g in opt1.param_groups if g["use_muon"] for n in g["param_names"]}
                 for n, p in one.named_parameters():
-                    if p.dim() >= 2:  # the Muon matrices (the AdamW bias through convert is not this test's)
+                    if n in muon:  # the Muon matrices (the AdamW tensors through convert are not this test's)
                         assert torch.equal(p.detach(), want[n]), (n, "W=1 through ds_muon.convert")
         for r, res in enumerate(per_rank):
             ways = ["continued", "plain"] + ([] if kind == "fsdp2" else ["resumed"])
             if kind == "fsdp1_orig":
                 off = res["offloaded"]
                 assert isinstance(off, dict) and "refused" in off, (r, "offload_to_cpu=True loaded")
-                assert "2.bias" in off["refused"] and "offload_to_cpu=False" in off["refused"], off["refused"]
+                assert "0.weight (AdamW)" in off["refused"] and "offload_to_cpu=False" in off["refused"], off["refused"]
                 assert off["untouched"], (r, "a refused load changed the optimizer")
             elif kind == "fsdp1_flat":
                 ways.append("offloaded")

@@ -90,8 +90,9 @@ def test_cuda_table(machine, cap, dtype, gram_bf16):
 
 def _model():
     g = torch.Generator().manual_seed(0)
-    # three hidden maps (tall, wide, square) and the output layer, which Muon's rule leaves to AdamW
-    m = nn.Sequential(nn.Linear(32, 96, bias=False), nn.Linear(96, 32, bias=False), nn.Linear(32, 32),
+    # the input layer, three hidden maps (tall, wide, square) and the output layer: Muon's rule leaves the first
+    # and last to AdamW
+    m = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 96, bias=False), nn.Linear(96, 32, bias=False), nn.Linear(32, 32),
                       nn.Linear(32, 8))
     with torch.no_grad():
         for p in m.parameters():

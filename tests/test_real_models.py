@@ -165,8 +165,10 @@ def _trainer_worker(rank, world, out_dir):
 
 
 def test_trainer_ddp_keeps_replicas_equal(tmp_path):
+    # OMP_NUM_THREADS set: else accelerate's state sets each rank's threads to cores / ranks (a leak the
+    # next call in the pooled rank would see)
     (p0, muon0, wrapped, losses), (p1, muon1, _, _) = dist_harness.run(_trainer_worker, 2, str(tmp_path),
-                                                                      timeout=240)
+                                                                      timeout=240, env={"OMP_NUM_THREADS": "1"})
     assert wrapped == "DistributedDataParallel" and len(losses) == 4
     assert muon0 == muon1 == expected_muon("llama", FAMILIES["llama"]())
     fresh = dict(FAMILIES["llama"]().named_parameters())

@@ -208,9 +208,9 @@ def test_empty_parameter_without_ds_shape_is_refused():
             setattr(mod, pname, nn.Parameter(torch.empty(0)))
     with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight.*no elements"):
         ds_muon.muon_param_groups(model)
-    empty_bias = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 0))
+    empty_bias = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(4, 0))
     names = {n for g in ds_muon.muon_param_groups(empty_bias) if g["use_muon"] for n in g["param_names"]}
-    assert names == {"0.weight"}  # 1.weight: the output layer (AdamW), empty and accepted
+    assert names == {"1.weight"}  # 0: the input layer; 2.weight: the output layer (AdamW), empty and accepted
 
 
 def test_model_without_hidden_matrices_is_refused():

@@ -32,7 +32,7 @@ def _known(key):
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
 
 
 def _muon_groups(muon):

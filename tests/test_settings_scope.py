@@ -57,7 +57,7 @@ def acts(key, use_muon, kind=None):
 
 def mlp(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))  # 2: the hidden matrix
 
 
 def backward(model, seed=1):

@@ -48,18 +48,21 @@ class FusedAttn(nn.Module):
 
     def __init__(self):
         super().__init__()
+        self.inp = nn.Linear(D, D, bias=False)  # the input layer (AdamW): qkv reads hidden states
         self.qkv = nn.Linear(D, sum(QKV.values()), bias=False)
         self.qkv.ds_muon_row_blocks = {"weight": dict(QKV)}
         self.out = nn.Linear(16, D, bias=False)
 
     def forward(self, x):
-        q, k, v = self.qkv(x).split(list(QKV.values()), dim=-1)
+        q, k, v = self.qkv(self.inp(x)).split(list(QKV.values()), dim=-1)
         return self.out(q * torch.cat([k * v, k - v], dim=-1))
 
 
 class SeparateAttn(nn.Module):
     def __init__(self, fused: FusedAttn):
         super().__init__()
+        self.inp = nn.Linear(D, D, bias=False)
+        self.inp.weight.data.copy_(fused.inp.weight)
         self.q, self.k, self.v = (nn.Linear(D, n, bias=False) for n in QKV.values())
         with torch.no_grad():
             for lin, w in zip((self.q, self.k, self.v), fused.qkv.weight.split(list(QKV.values()))):
@@ -68,6 +71,7 @@ class SeparateAttn(nn.Module):
         self.out.weight.data.copy_(fused.out.weight)
 
     def forward(self, x):  # the fused model's forward, so both are read alike (out: the output layer)
+        x = self.inp(x)
         q, k, v = self.q(x), self.k(x), self.v(x)
         return self.out(q * torch.cat([k * v, k - v], dim=-1))
 

@@ -77,7 +77,7 @@ def test_dtensor_gradient_placed_unlike_its_parameter():
 
 
 def _no_grad_worker(rank, world):
-    model = nn.Sequential(nn.Linear(7, 9), nn.Linear(9, 5))  # shapes of its own: pooled ranks count Muons per shape
+    model = nn.Sequential(nn.Linear(7, 9), nn.Linear(9, 9), nn.Linear(9, 5))  # shapes of its own: pooled ranks count Muons per shape
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model), log_summary=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -87,9 +87,9 @@ def _no_grad_worker(rank, world):
 
 
 def test_a_step_without_gradients_warns_once_on_rank_0():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model), log_summary=False)
-    with pytest.warns(RuntimeWarning, match="no gradient on any of this Muon's 4 tensor"):
+    with pytest.warns(RuntimeWarning, match="no gradient on any of this Muon's 6 tensor"):
         opt.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -101,7 +101,7 @@ def test_a_step_without_gradients_warns_once_on_rank_0():
 
 
 def test_normuon_beta2_on_a_muon_variant_group_is_refused():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"normuon_beta2=0.9 is given but only variant='normuon' reads it"):
         ds_muon.Muon(ds_muon.muon_param_groups(model, normuon_beta2=0.9), log_summary=False)
     ds_muon.Muon(ds_muon.muon_param_groups(model, normuon_beta2=0.9, variant="normuon"), log_summary=False)

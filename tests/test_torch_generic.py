@@ -347,7 +347,8 @@ def test_state_dict_deterministic(named0, named1):
 
 def test_loaded_param_groups_are_the_saved_ones():
     """heavyball's save/restore check: a restored optimizer's param_groups equal the saved ones."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))  # 2: output layer
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 3),
+                                torch.nn.Linear(3, 2))  # 0: input layer, 3: output layer
     opt = ds_muon.Muon(ds_muon.muon_param_groups(model))
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
@@ -599,18 +600,19 @@ def test_non_contiguous_parameter_steps_bitwise_like_contiguous(overlap):
     bitwise the contiguous model's, and the parameter keeps its strides."""
     def build(contiguous):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+        model = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(), torch.nn.Linear(5, 10), torch.nn.Tanh(),
+                                    torch.nn.Linear(10, 3))  # 2: the hidden matrix
         if not contiguous:
             strided = torch.empty(10, 5, 2)[..., 0]
-            strided.copy_(model[0].weight.detach())
-            model[0].weight = Parameter(strided)
+            strided.copy_(model[2].weight.detach())
+            model[2].weight = Parameter(strided)
         groups = ds_muon.muon_param_groups(model, weight_decay=0.1)
         groups[0]["weight_decay_mode"] = "l2" if overlap else "decoupled"
         return model, ds_muon.Muon(groups, ns_dtype=torch.float32, overlap=overlap, model=model,
                                    apply_in_forward=overlap, dispatch_in_backward=False)
 
     (a, oa), (b, ob) = build(True), build(False)
-    assert b[0].weight.stride() == (10, 2)
+    assert b[2].weight.stride() == (10, 2)
     x = torch.randn(4, 5)
     for _ in range(3):  # the same gradients for both (a matmul with a strided weight rounds differently)
         oa.zero_grad()
@@ -625,5 +627,5 @@ def test_non_contiguous_parameter_steps_bitwise_like_contiguous(overlap):
         for m in (a, b):
             m(x)
     _equal(list(a.parameters()), list(b.parameters()))
-    assert b[0].weight.stride() == (10, 2)
-    assert torch.equal(oa.state[a[0].weight]["momentum_buffer"], ob.state[b[0].weight]["momentum_buffer"])
+    assert b[2].weight.stride() == (10, 2)
+    assert torch.equal(oa.state[a[2].weight]["momentum_buffer"], ob.state[b[2].weight]["momentum_buffer"])

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import dist_harness
 import ds_muon
 from ds_muon.models.reading import classify
 from ds_muon.models.trace import trace
@@ -36,13 +37,13 @@ def _sets(groups):
 
 def _one_step(model, **kw):
     """One step, momentum 0 (the NS input is the gradient), from seeded random gradients."""
-    torch.set_num_threads(1)
     opt = ds_muon.Muon(_groups(model, **kw), momentum=0.0, nesterov=False, ns_dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
+    with dist_harness.one_thread():
+        opt.step()
     return before
 
 
@@ -254,13 +255,15 @@ def test_untraceable_model_falls_back_with_one_warning_naming_the_tensors():
         groups = ds_muon.muon_param_groups(model, example_inputs=(torch.zeros(2, 3, 8), torch.zeros(2, 3, 8)))
     assert not [x for x in w if "not by the traced forward" in str(x.message)]
     muon, adam = _sets(groups)
-    assert {"stem.weight", "a.weight"} <= muon and "b.weight" in adam  # b classifies pooled features: a head
+    # stem reads the input (an input layer, issue 49's one rule); b classifies pooled features: a head
+    assert "a.weight" in muon and {"stem.weight", "b.weight"} <= adam
 
 
 def test_last_layer_of_a_plain_stack_is_its_output_layer_without_a_config():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 8))
     muon, adam = _sets(_groups(model))
-    assert muon == {"0.weight"} and "2.weight" in adam  # issue 40: the final output layer of every model
+    assert muon == {"2.weight"} and {"0.weight", "4.weight"} <= adam  # issue 40 / 49: the output and input layers
 
 
 def test_reading_leaves_the_model_untouched():

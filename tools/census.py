@@ -300,8 +300,9 @@ def final_layers(model, inputs=None):
     """The weights (2+ dims) whose output reaches the model's output with no other weight after it, read
     from the autograd graph of one meta forward (not from ``ds_muon.models.trace``: an independent truth).
     From each output tensor the graph is walked back through every op until a weight is applied (the
-    final layer) or two operands that each carry a weight meet (a residual sum, attention, a gate: no
-    final layer on that path); pieces concatenated or stacked side by side are each followed, and a
+    final layer) or two operands that carry different weights meet (a residual sum, attention, a gate: no
+    final layer on that path; one weight's output chosen from, as ``where`` does, is still that weight's);
+    pieces concatenated or stacked side by side are each followed, and a
     ``detach`` keeps its history (:func:`_keep_history_mode`).  ``(names, error)``."""
     from ds_muon.models.inputs import default_inputs
     from ds_muon.models.meta import all_nonzero
@@ -355,23 +356,32 @@ def final_layers(model, inputs=None):
             stack.extend((c, False) for c in kids if id(c) not in weighted)
         return weighted[id(root)]
 
-    finals, seen, todo = set(), set(), []
+    lasts: Dict[int, frozenset] = {}  # node -> the weights that last produced its output
+
+    def last_weights(root) -> frozenset:  # iterative post-order, memoized
+        stack = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if id(node) in lasts:
+                continue
+            ws = weights(node)
+            if ws:
+                lasts[id(node)] = frozenset(names[id(p)][0] for p in ws)
+                continue
+            kids = [c for c, _ in node.next_functions if c is not None and not hasattr(c, "variable")]
+            if not done:
+                stack.append((node, True))
+                stack.extend((c, False) for c in kids if id(c) not in lasts)
+                continue
+            carrying = [lasts[id(c)] for c in kids if is_weighted(c)]  # a mixed one counts, as empty
+            mixed = len(set(carrying)) > 1 and _node_kind(node) not in _JOIN_NODES
+            lasts[id(node)] = frozenset() if mixed or not carrying else frozenset().union(*carrying)
+        return lasts[id(root)]
+
+    finals = set()
     for t in _leaves(out):
-        if t.grad_fn is not None:
-            todo.append(t.grad_fn)
-    while todo:
-        node = todo.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        ws = weights(node)
-        if ws:
-            finals.update(names[id(p)][0] for p in ws)
-            continue
-        kids = [c for c, _ in node.next_functions if c is not None and not hasattr(c, "variable")]
-        carrying = [c for c in kids if is_weighted(c)]
-        if len(carrying) == 1 or _node_kind(node) in _JOIN_NODES:  # pieces side by side are not mixed
-            todo.extend(carrying)
+        if t.grad_fn is not None:  # pieces side by side are not mixed; one weight's output chosen from is not
+            finals.update(last_weights(t.grad_fn))
     return finals, ""
 
 

@@ -193,10 +193,11 @@ def norm(t: TensorView) -> Optional[Decision]:
 
 
 def traced_input(t: TensorView) -> Optional[Decision]:
-    """The forward feeds it the model's input: a conv (a stem: pixels, audio), or a linear of a model with a
-    config (a config-less model's input may be features the user's pipeline made: a hidden map)."""
+    """The forward applies it to the model's input, or to a function of it with no weight between (a stem, a
+    patch embedding, a ``Linear`` on patchified latents or observations): an input layer whatever module
+    computes it (Muon's rule: the input layer on AdamW; ``include=`` opts one in)."""
     u = t.seen
-    if u is None or not u.matrix or not u.input_layer or not (t.facts.modules.pretrained or "conv" in u.ops):
+    if u is None or not u.matrix or not u.input_layer:
         return None
     return Decision(INPUT_LAYER, False, "input layer (reads the model's input: traced)", decided_by="trace")
 

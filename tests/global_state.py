@@ -1,0 +1,57 @@
+"""The process-wide state a test could leave behind for the next test in the same process (or pooled rank):
+read before and after each test by ``conftest.py`` and each pooled call by ``dist_harness``, so a leak fails
+the test that made it instead of changing the bits of whichever test runs next.
+
+What is read: torch's numerics switches (threads, default dtype and device, deterministic algorithms, matmul
+precision, oneDNN, TF32, grad and anomaly modes), ds_muon's own per-process pins (NS kernel forms, chunk
+budget, what ``ns_dtype="auto"`` means), an initialised process group in the test process, and the
+environment (``ACCELERATE_*``, ``RANK`` ... as much as ``OMP_NUM_THREADS``): all of it but pytest's own key.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict
+
+import torch
+
+# pytest's own key; inductor's note of a pointer it reads back in this process (set by torch.compile's
+# first compile, not a setting: restoring it would only break inductor's later compiles)
+_IGNORED_ENV = {"PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+
+
+def snapshot(env: bool = True) -> Dict[str, object]:
+    """Everything above, as plain comparable values."""
+    s: Dict[str, object] = {
+        "torch.get_num_threads()": torch.get_num_threads(),
+        "torch.get_default_dtype()": torch.get_default_dtype(),
+        "torch.get_default_device()": str(torch.get_default_device()),
+        "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+        "torch.is_deterministic_algorithms_warn_only_enabled()":
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+        "torch.backends.mkldnn.enabled": torch.backends.mkldnn.enabled,
+        "torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "torch.backends.cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+        "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
+        "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
+    }
+    kernels = sys.modules.get("ds_muon.rules.ns_kernels")  # not imported yet: its defaults
+    s["ds_muon ns_kernels pins"] = dict(kernels._pinned) if kernels else {}
+    s["ds_muon ns_kernels calibration"] = dict(kernels._calibrated) if kernels else {}
+    s["ds_muon ns_kernels chunk budget"] = kernels._chunk_pin[0] if kernels else None
+    auto = sys.modules.get("ds_muon.rules.ns_auto")
+    s["ds_muon ns_auto pins"] = dict(auto._pinned) if auto else {}
+    if env:
+        s.update({f"os.environ[{k!r}]": v for k, v in os.environ.items() if k not in _IGNORED_ENV})
+    return s
+
+
+def changes(before: Dict[str, object], after: Dict[str, object]) -> str:
+    """What differs, one line each ('' when nothing does)."""
+    keys = sorted(set(before) | set(after))
+    return "\n".join(f"  {k}: {before.get(k, '<unset>')!r} -> {after.get(k, '<unset>')!r}"
+                     for k in keys if before.get(k, "<unset>") != after.get(k, "<unset>"))

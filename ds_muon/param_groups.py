@@ -215,7 +215,15 @@ def _tag_fused(model: nn.Module, decided, split_fused: bool) -> None:
 
 def _warn_raw(decided, model: nn.Module) -> None:
     shapes = {id(p): global_shape(p) for p in model.parameters()}
-    raw = [(n, shapes[i]) for i, (n, d) in decided.items() if d.kind == RAW and not d.muon and len(shapes[i]) >= 2]
+    raw = [(n, shapes[i], d) for i, (n, d) in decided.items() if d.kind == RAW and not d.muon and len(shapes[i]) >= 2]
+    applied = [(n, s, d) for n, s, d in raw if d.decided_by == "trace"]  # the forward applies it: say how
+    raw = [(n, s) for n, s, d in raw if d.decided_by != "trace"]
+    if applied:
+        listed = "; ".join(f"{n} {tuple(s)}: {d.reason}" for n, s, d in applied[:4]) + \
+            (f"; and {len(applied) - 4} more" if len(applied) > 4 else "")
+        _warn_once(f"ds_muon.muon_param_groups: {len(applied)} raw parameter(s) the forward applies as linear maps "
+                   f"take AdamW, their matrices not read or not held: {listed}. If one is a hidden matrix in the "
+                   "[shape[0], rest] layout, opt it in: muon_param_groups(model, include=['<name or glob>'])")
     if raw:
         listed = ", ".join(f"{n} {tuple(s)}" for n, s in raw[:8]) + (f" and {len(raw) - 8} more" if len(raw) > 8 else "")
         _warn_once(f"ds_muon.muon_param_groups: {len(raw)} raw parameter(s) of 2+ dims take AdamW: {listed}. They are "

@@ -11,10 +11,11 @@ environment (``ACCELERATE_*``, ``RANK`` ... as much as ``OMP_NUM_THREADS``): all
 from __future__ import annotations
 
 import os
-import sys
 from typing import Dict
 
 import torch
+
+from ds_muon.rules import ns_auto, ns_kernels
 
 # pytest's own key; inductor's note of a pointer it reads back in this process (set by torch.compile's
 # first compile, not a setting: restoring it would only break inductor's later compiles)
@@ -39,12 +40,9 @@ def snapshot(env: bool = True) -> Dict[str, object]:
         "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
         "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
     }
-    kernels = sys.modules.get("ds_muon.rules.ns_kernels")  # not imported yet: its defaults
-    s["ds_muon ns_kernels pins"] = dict(kernels._pinned) if kernels else {}
-    s["ds_muon ns_kernels calibration"] = dict(kernels._calibrated) if kernels else {}
-    s["ds_muon ns_kernels chunk budget"] = kernels._chunk_pin[0] if kernels else None
-    auto = sys.modules.get("ds_muon.rules.ns_auto")
-    s["ds_muon ns_auto pins"] = dict(auto._pinned) if auto else {}
+    # the kernel forms and chunk budget in effect (table, calibration, pins): what the step's agreement compares
+    s["ds_muon.rules.ns_kernels.fingerprint()"] = ns_kernels.fingerprint()
+    s["ds_muon ns_auto pins"] = dict(ns_auto._pinned)  # (choice() would measure where the table has no entry)
     if env:
         s.update({f"os.environ[{k!r}]": v for k, v in os.environ.items() if k not in _IGNORED_ENV})
     return s

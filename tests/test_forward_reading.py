@@ -23,6 +23,7 @@ import dataclasses
 import os
 import random
 import sys
+import warnings
 from typing import Callable, List
 
 import pytest
@@ -202,13 +203,18 @@ def check_view_case(seed: int) -> str:
     """'' where the raw model's step equals the written reference's (or a REFUSED layout is refused), else what
     differs."""
     case = draw_view_case(seed)
-    if case.label.split()[0] in REFUSED:
-        try:
-            _, groups = _muon(Raw(case))
-        except ValueError as e:
-            return "" if "no hidden weight matrix" in str(e) else f"{case.label}: {str(e)[:200]}"
-        muon, reason = _decision(groups, "w")
-        return f"{case.label}: a layout the engine cannot hold went to Muon ({reason})" if muon else ""
+    if case.label.split()[0] in REFUSED:  # refused loudly: the warning names w, its shape and the layout
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                _, groups = _muon(Raw(case))
+                muon, reason = _decision(groups, "w")
+            except ValueError as e:
+                muon, reason = False, str(e)
+        said = [str(w.message) for w in seen if f"w {tuple(case.shape)}: " in str(w.message)]
+        if muon or not said or "cannot be" not in said[0]:
+            return f"{case.label}: a layout the engine cannot hold, not refused loudly ({reason[:120]}; {said[:1]})"
+        return ""
     try:
         return _check_view_case(seed)
     except Exception as e:  # noqa: BLE001 - a refusal is a failure of the case, reported with the others

@@ -93,9 +93,9 @@ def _ranks_worker(rank, world):
     for layer in model:
         fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
     held, _ = _held_and_peak("ds_muon", model, peak=False)
-    muon = {id(p) for g in ds_muon.muon_param_groups(model) if g["use_muon"] for p in g["params"]}
-    # the local shards' state: Muon's momentum, or AdamW's two moments (the input and output layers)
-    state = sum(p.to_local().numel() * 4 * (1 if id(p) in muon else 2) for p in model.parameters() if p.ndim == 2)
+    ends = {id(model[0].weight), id(model[-1].weight)}  # the input and output layers: AdamW's two moments
+    # the local shards' state: Muon's momentum of each hidden matrix, AdamW's moments of the ends
+    state = sum(p.to_local().numel() * 4 * (2 if id(p) in ends else 1) for p in model.parameters() if p.ndim == 2)
     out["fsdp2"] = (held, state)
     out["flat"] = flat, fills
     return out

@@ -791,6 +791,7 @@ def test_fsdp1_optim_state_dict_carries_the_moment():
                 one(_fsdp1_batch(2)).square().sum().backward()
                 opt1.step()
                 muon = {n for g in opt1.param_groups if g["use_muon"] for n in g["param_names"]}
+                assert muon == {"1.weight", "3.weight"}, muon  # the hidden matrices; 0 and 5: input and output
                 for n, p in one.named_parameters():
                     if n in muon:  # the Muon matrices (the AdamW tensors through convert are not this test's)
                         assert torch.equal(p.detach(), want[n]), (n, "W=1 through ds_muon.convert")

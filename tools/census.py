@@ -340,43 +340,29 @@ def final_layers(model, inputs=None):
             return []
         return [p for p in (param_of(c) for c, _ in node.next_functions if c is not None) if p is not None]
 
-    weighted: Dict[int, bool] = {}
+    # node -> (whether any weight is applied upstream of it, the weights that last produced its output): one
+    # iterative, memoized post-order walk; a sum of different weights' outputs (not a join) carries them mixed
+    facts: Dict[int, tuple] = {}
 
-    def is_weighted(root) -> bool:  # any weight applied upstream of ``root`` (iterative, memoized)
+    def last_weights(root) -> frozenset:
         stack = [(root, False)]
         while stack:
             node, done = stack.pop()
-            if id(node) in weighted:
+            if id(node) in facts:
                 continue
             kids = [c for c, _ in node.next_functions if c is not None]
-            if done:
-                weighted[id(node)] = bool(weights(node)) or any(weighted.get(id(c), False) for c in kids)
-                continue
-            stack.append((node, True))
-            stack.extend((c, False) for c in kids if id(c) not in weighted)
-        return weighted[id(root)]
-
-    lasts: Dict[int, frozenset] = {}  # node -> the weights that last produced its output
-
-    def last_weights(root) -> frozenset:  # iterative post-order, memoized
-        stack = [(root, False)]
-        while stack:
-            node, done = stack.pop()
-            if id(node) in lasts:
+            if not done:
+                stack.append((node, True))
+                stack.extend((c, False) for c in kids if id(c) not in facts)
                 continue
             ws = weights(node)
             if ws:
-                lasts[id(node)] = frozenset(names[id(p)][0] for p in ws)
+                facts[id(node)] = (True, frozenset(names[id(p)][0] for p in ws))
                 continue
-            kids = [c for c, _ in node.next_functions if c is not None and not hasattr(c, "variable")]
-            if not done:
-                stack.append((node, True))
-                stack.extend((c, False) for c in kids if id(c) not in lasts)
-                continue
-            carrying = [lasts[id(c)] for c in kids if is_weighted(c)]  # a mixed one counts, as empty
+            carrying = [facts[id(c)][1] for c in kids if facts[id(c)][0]]  # a mixed one counts, as empty
             mixed = len(set(carrying)) > 1 and _node_kind(node) not in _JOIN_NODES
-            lasts[id(node)] = frozenset() if mixed or not carrying else frozenset().union(*carrying)
-        return lasts[id(root)]
+            facts[id(node)] = (bool(carrying), frozenset() if mixed or not carrying else frozenset().union(*carrying))
+        return facts[id(root)][1]
 
     finals = set()
     for t in _leaves(out):

@@ -7,7 +7,7 @@ moved.install()  # old module paths, one release more (ds_muon.engine.moved)
 from .engine.exchange.layout import Layout, MatrixSlot, ParamBinding, Piece
 from .engine.plan.cost_model import CostModel, MatrixTask, Plan
 from .engine.plan.planner import plan_homes
-from .models.tags import domain, expert_weight, fused_blocks, split_rows, tensor_parallel, transposed
+from .models.tags import domain, expert_weight, fused_blocks, row_axes, split_rows, tensor_parallel, transposed
 from .optimizer import Muon
 from .param_groups import muon_param_groups
 from .qk_clip import QKClip
@@ -18,7 +18,8 @@ from .unwrap import find_muon
 __all__ = [
     "Muon", "QKClip", "muon_param_groups", "newton_schulz", "get_muon_scale_factor",
     "Layout", "MatrixSlot", "ParamBinding", "Piece", "CostModel", "MatrixTask", "Plan", "plan_homes",
-    "split_rows", "tensor_parallel", "expert_weight", "domain", "transposed", "fused_blocks", "find_muon",
+    "split_rows", "tensor_parallel", "expert_weight", "domain", "transposed", "fused_blocks", "row_axes",
+    "find_muon",
 ]
 __version__ = "0.1.0"
 

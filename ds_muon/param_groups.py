@@ -222,8 +222,9 @@ def _warn_raw(decided, model: nn.Module) -> None:
         listed = "; ".join(f"{n} {tuple(s)}: {d.reason}" for n, s, d in applied[:4]) + \
             (f"; and {len(applied) - 4} more" if len(applied) > 4 else "")
         _warn_once(f"ds_muon.muon_param_groups: {len(applied)} raw parameter(s) the forward applies as linear maps "
-                   f"take AdamW, their matrices not read or not held: {listed}. If one is a hidden matrix in the "
-                   "[shape[0], rest] layout, opt it in: muon_param_groups(model, include=['<name or glob>'])")
+                   f"take AdamW, their matrices not read or not held: {listed}. If one is a hidden matrix whose rows are "
+                   "its first k axes, tag it ds_muon.row_axes(p, k) (and ds_muon.transposed(p) where the rows are "
+                   "inputs) and opt it in: muon_param_groups(model, include=['<name or glob>'])")
     if raw:
         listed = ", ".join(f"{n} {tuple(s)}" for n, s in raw[:8]) + (f" and {len(raw) - 8} more" if len(raw) > 8 else "")
         _warn_once(f"ds_muon.muon_param_groups: {len(raw)} raw parameter(s) of 2+ dims take AdamW: {listed}. They are "

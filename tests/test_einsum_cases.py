@@ -2,15 +2,16 @@
 a hand Newton–Schulz of the matrix the equation applies.
 
 Each case draws the roles of a raw parameter's stored axes (2-D ``[in, out]`` / ``[out, in]``; 3-D one
-matrix ``[in, out, out]`` / ``[out, in, in]`` such as ``wq: [D, H, hd]``; a head or expert stack ``[S, out, in]``
-/ ``[S, in, out]`` whose stack axis is shared with the input; and layouts the engine's ``[shape[0], rest]``
-cannot hold), random sizes, letters, operand order and output order, and how it is applied (``einsum``,
+matrix ``[in, out, out]`` / ``[out, in, in]`` such as ``wq: [D, H, hd]``, ``[out, out, in]`` / ``[in, in, out]``
+such as ``wo: [H, hd, D]`` (rows a run of leading axes: ``ds_muon.row_axes``), 4-D ones; a head or expert stack
+``[S, out, in]`` / ``[S, in, out]`` whose stack axis is shared with the input; and layouts no
+``[prod(shape[:k]), rest]`` view holds: interleaved roles, a stack axis inside), random sizes, letters, operand order and output order, and how it is applied (``einsum``,
 ``tensordot``, ``F.linear`` of a permuted and reshaped view, ``x @ W``).  A model applies it to its input and a Linear
 reads the result (so it is no output layer).  The reference is built here from the drawn roles alone: the
 gradient permuted to ``[stack…, out…, in…]``, reshaped, ``newton_schulz`` per stack member, scaled by
 ``get_muon_scale_factor(out, in)`` and laid back.  Layouts the engine cannot hold must stay on AdamW saying why.
 
-``DS_MUON_EINSUM_CASES`` (default 24) and ``DS_MUON_EINSUM_SEED`` widen the run.
+``DS_MUON_EINSUM_CASES`` (default 32) and ``DS_MUON_EINSUM_SEED`` widen the run.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from torch import nn
 
 import ds_muon
 
-CASES = int(os.environ.get("DS_MUON_EINSUM_CASES", "24"))
+CASES = int(os.environ.get("DS_MUON_EINSUM_CASES", "32"))
 SEED = int(os.environ.get("DS_MUON_EINSUM_SEED", "0"))
 LR = 0.02
 HELD = [("out", "in"), ("in", "out"), ("in", "out", "out"), ("out", "in", "in"), ("stack", "out", "in"),
-        ("stack", "in", "out")]
-NOT_HELD = [("out", "out", "in"), ("in", "in", "out"), ("out", "stack", "in")]
+        ("stack", "in", "out"), ("out", "out", "in"), ("in", "in", "out"), ("in", "in", "out", "out"),
+        ("stack", "out", "out", "in")]
+NOT_HELD = [("out", "stack", "in"), ("out", "in", "out"), ("in", "out", "in")]
 
 
 @dataclass
@@ -146,8 +148,8 @@ def test_generated_equation_against_hand_newton_schulz(k):
         groups = ds_muon.muon_param_groups(model, lr=LR, example_inputs=(x,))
     muon = {n for g in groups if g["use_muon"] for n in g["param_names"]}
     reason = {n: r for g in groups for n, r in zip(g["param_names"], g["param_reasons"])}["w"]
-    if not case.held:
-        assert "w" not in muon and "cannot be" in reason, (case, reason)
+    if not case.held:  # said why, where the equation is read (F.linear of a permuted copy is not a view of w)
+        assert "w" not in muon and (case.how == "linear" or "no [rows, columns] view" in reason), (case, reason)
         return
     assert "w" in muon, (case, reason)
     opt = ds_muon.Muon(groups, momentum=0.0, nesterov=False, ns_dtype=torch.float32)
@@ -156,16 +158,18 @@ def test_generated_equation_against_hand_newton_schulz(k):
     assert grad.abs().max() > 0, case
     opt.step()
     want = _reference(case, w0, grad)
-    assert torch.allclose(model.w.detach(), want, rtol=0, atol=1e-6), (case, reason)
+    tol = 1e-3 * float((want - w0).abs().max())  # fp32 NS in another order (its rounding grown by the iteration
+    # on small singular values); a wrong orientation moves the update by its scale ratio, >= 2% here
+    assert torch.allclose(model.w.detach(), want, rtol=0, atol=tol), (case, reason)
     roles = case.roles
     o = _prod([s for s, r in zip(case.sizes, roles) if r == "out"])
     n = _prod([s for s, r in zip(case.sizes, roles) if r == "in"])
     if ds_muon.get_muon_scale_factor(o, n) != ds_muon.get_muon_scale_factor(n, o):  # the orientation, seen
         wrong = w0 + (want - w0) * (ds_muon.get_muon_scale_factor(n, o) / ds_muon.get_muon_scale_factor(o, n))
-        assert not torch.allclose(model.w.detach(), wrong, rtol=0, atol=1e-6), case
+        assert not torch.allclose(model.w.detach(), wrong, rtol=0, atol=tol), case
 
 
 def test_the_draws_cover_every_layout():
     drawn = {c.roles for c in _cases()} | {c.how for c in _cases()}
-    if CASES >= 24:
-        assert {"einsum", "tensordot", "linear", "matmul"} <= drawn and sum(r in drawn for r in HELD) >= 5, drawn
+    if CASES >= 32:
+        assert {"einsum", "tensordot", "linear", "matmul"} <= drawn and sum(r in drawn for r in HELD) >= 7, drawn

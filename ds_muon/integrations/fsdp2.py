@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..engine.exchange.layout import _DTENSOR, MatrixSlot, ParamBinding, Piece, matrix_shape
 from ..engine.exchange.slots import block_slots, logical_blocks
-from ..tensors.tag_keys import BLOCKS, EXPERTS, is_tagged, is_transposed
+from ..tensors.tag_keys import BLOCKS, EXPERTS, is_tagged, is_transposed, row_axes_of
 from ..engine.agreement.timeouts import flattened_group
 from .base import BindContext
 
@@ -269,6 +269,11 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
             f"ds_muon: {name} holds fused blocks (ds_muon.fused_blocks) and is sharded past dim 0 "
             f"({tuple(param.placements)}); ds_muon reads such blocks from row ranges only. Shard it along dim 0, "
             "or build the groups with muon_param_groups(..., split_fused=False)")
+    if row_axes_of(param) != 1 and ranges[1:] != [(0, n) for n in param.shape[1:]]:
+        raise NotImplementedError(
+            f"ds_muon: {name} {tuple(param.shape)} holds one [prod(shape[:{row_axes_of(param)}]), rest] matrix "
+            f"(ds_muon.row_axes) and is sharded past dim 0 ({tuple(param.placements)}); ds_muon reads such a "
+            "matrix from whole dim-0 slices only. Shard it along dim 0, or put it in an AdamW group")
     if experts and ranges[1:] != [(0, n) for n in param.shape[1:]]:  # EP x FSDP2 Shard(1)/Shard(2)
         return ParamBinding(param, _dtensor_flat, expert_block_slots(param, name, ranges), group=group)
     (r0, r1) = ranges[0]

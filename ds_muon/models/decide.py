@@ -372,19 +372,20 @@ def _traced_blocks(d: Decision, t: TensorView) -> Decision:
 
 def _applied(use: Use, shape) -> Decision:
     """A raw parameter applied through an equation: Muon on the ``[out, in]`` matrix the equation applies, per
-    stack member (:mod:`.equations`), where the engine's ``[shape[0], rest]`` layout holds it; AdamW, saying
-    why, where not."""
+    stack member (:mod:`.equations`), where a ``[prod(shape[:k]), rest]`` view holds it; AdamW, saying why,
+    where not."""
     a = use.applied
     if use.applied_unread or a is None:
         return Decision(RAW, False, f"{RAW} ({use.applied_unread}: traced)", decided_by="trace")
     lay = layout(a)
     if lay is None:
-        return Decision(RAW, False, f"{RAW} ({a.equation!r} applies it as {a.describe(shape)}, which a "
-                                    f"{tuple(shape)} tensor held as [shape[0], rest] cannot be: traced)",
-                        decided_by="trace")
+        return Decision(RAW, False, f"{RAW} ({a.equation!r} applies it as {a.describe(shape)}, which no "
+                                    f"[rows, columns] view of a {tuple(shape)} tensor's leading and trailing axes "
+                                    "is: traced)", decided_by="trace")
     plan = None
-    if lay.experts or lay.transposed:
-        plan = FusedPlan({}, "experts" if lay.experts else ONE_MATRIX, transposed=lay.transposed, experts=lay.experts)
+    if lay.experts or lay.transposed or lay.row_axes != 1:
+        plan = FusedPlan({}, "experts" if lay.experts else ONE_MATRIX, transposed=lay.transposed, experts=lay.experts,
+                         row_axes=lay.row_axes)
     elif len(shape) > 2:
         plan = FusedPlan({}, ONE_MATRIX)
     stored = ", stored [in, out]" if lay.transposed else ""

@@ -14,10 +14,10 @@ features of one map), stored ``[in, out…]``; ``einsum("bhsd,hdk->bhsk", x, w)`
 is a stack of ``H`` matrices ``[K, D]`` (``h`` is in ``x``).  Muon orthogonalizes the matrix the equation
 applies, and reads its shape scale from that ``[out, in]`` orientation.
 
-The engine holds a tensor as ``[shape[0], prod(shape[1:])]`` (per stack member for an expert stack:
-``[shape[1], prod(shape[2:])]``), ``[in, out]`` when tagged transposed.  :func:`layout` says whether the
-roles fit that (an optional leading stack axis, then one axis of one role and the rest of the other) and
-how; a layout that does not fit (``[H, hd, D]`` applied as ``[H·hd, D]``) is reported, not forced.
+The engine holds a tensor as ``[prod(shape[:k]), prod(shape[k:])]`` for any ``k`` (per stack member for an
+expert stack, of ``shape[1:]``), ``[in, out]`` when tagged transposed.  :func:`layout` says whether the roles
+fit that (an optional leading stack axis, then a run of axes of one role and a run of the other) and how; a
+layout that does not (``[i, o, i]``, a stack axis between matrix axes) is reported, not forced.
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ class Applied:
 @dataclass(frozen=True)
 class Layout:
     """How the engine holds the applied matrix: a stack on axis 0 (``experts``), stored ``[in, out]``
-    (``transposed``)."""
+    (``transposed``), its rows the first ``row_axes`` axes (after the stack axis)."""
 
     experts: bool
     transposed: bool
+    row_axes: int = 1
 
 
 def parse(equation: str, ranks: Sequence[int]) -> Optional[Tuple[List[str], str]]:
@@ -156,13 +157,17 @@ def read(equation: str, ranks: Sequence[int], operand: int, axes: Sequence[Optio
 
 
 def layout(applied: Applied) -> Optional[Layout]:
-    """How the engine holds the matrices ``applied`` describes; None where its layout cannot hold them
-    (a stack axis not first, or the first matrix axis not alone in its role)."""
+    """How the engine holds the matrices ``applied`` describes; None where no ``[prod(shape[:k]), rest]`` view
+    holds them (a stack axis not first, the roles of the matrix axes not one run of each)."""
     roles = applied.roles
     experts = roles[0] == STACK
-    row, rest = (roles[1], roles[2:]) if experts else (roles[0], roles[1:])
-    if len(roles) < (3 if experts else 2) or row not in (IN, OUT):
+    matrix = roles[1:] if experts else roles
+    seen = [r for r in matrix if r]
+    if len(matrix) < 2 or STACK in seen or not seen:
         return None
-    if {r for r in rest if r} != {OUT if row == IN else IN}:
+    first = seen[0]
+    runs = [r for i, r in enumerate(seen) if i == 0 or r != seen[i - 1]]
+    if len(runs) != 2:
         return None
-    return Layout(experts=experts, transposed=row == IN)
+    k = max(i for i, r in enumerate(matrix) if r == first) + 1
+    return Layout(experts=experts, transposed=first == IN, row_axes=k)

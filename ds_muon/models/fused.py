@@ -22,18 +22,20 @@ import torch
 from torch import nn
 
 from ..tensors.shape import global_shape
-from .tags import expert_weight, fused_blocks, split_rows, transposed
+from .tags import expert_weight, fused_blocks, row_axes, split_rows, transposed
 
 
 @dataclass(frozen=True)
 class FusedPlan:
     """The blocks of one fused weight (``{label: (rows, cols)}``, see :func:`ds_muon.fused_blocks`),
-    what fused them (``what``: ``"q|k|v"``, ``"gate|up"``, …), ``[in, out]`` storage, and per expert."""
+    what fused them (``what``: ``"q|k|v"``, ``"gate|up"``, …), ``[in, out]`` storage, per expert, and how many
+    leading axes are the matrix's rows (``row_axes``, see :func:`ds_muon.row_axes`)."""
 
     blocks: Dict[str, tuple]
     what: str
     transposed: bool = False
     experts: bool = False
+    row_axes: int = 1
 
 
 def _get(obj, name):
@@ -286,6 +288,8 @@ def apply_fused_plan(p: torch.Tensor, plan: FusedPlan, name: str = "") -> torch.
     try:
         if plan.experts:
             expert_weight(p)
+        if plan.row_axes != 1:
+            row_axes(p, plan.row_axes)
         if plan.transposed:
             transposed(p)
         rows_only = all(c is None and r is not None and len(r) == 2 for r, c in plan.blocks.values())

@@ -17,6 +17,8 @@ stack supports is in ``docs/ADVANCED.md``.
 * :func:`expert_weight` — a 3-D ``[E, out, in]`` tensor is ``E`` matrices.
 * :func:`transposed` — a 2-D weight (or expert stack) stored ``[in, out]``; its
   scale factor is read from ``[out, in]``.
+* :func:`row_axes` — an N-D weight whose rows are its first ``k`` axes (``wo: [H, hd, D]`` applied as
+  one ``[H·hd, D]`` matrix), per expert for a stack.
 * :func:`domain` — the tensor's replicas live in ``group`` (expert data-parallel
   group) rather than the optimizer's ``process_group``; each domain gets its own
   Layout, plan and fused exchange.
@@ -32,7 +34,8 @@ from typing import Dict, Optional, Sequence, Union
 import torch
 
 from ..tensors.shape import global_shape
-from ..tensors.tag_keys import BLOCKS, DOMAIN, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, TRANSPOSED
+from ..tensors.shape import matrix_shape
+from ..tensors.tag_keys import BLOCKS, DOMAIN, EXPERTS, ROW_AXES, SPLIT_ROWS, TENSOR_PARALLEL, TRANSPOSED, row_axes_of
 
 
 def _what(param) -> str:
@@ -114,10 +117,7 @@ def fused_blocks(param: torch.Tensor, blocks: Dict[str, tuple]):
         raise NotImplementedError("ds_muon.fused_blocks: a tensor tagged split_rows or tensor_parallel cannot "
                                   "also take fused blocks")
     experts = bool(getattr(param, EXPERTS, False))
-    rows = int(shape[1] if experts else shape[0])
-    cols = 1
-    for s in shape[2 if experts else 1:]:
-        cols *= int(s)
+    rows, cols = matrix_shape(shape[1:] if experts else shape, row_axes_of(param))
     spec = []
     for label, (r, c) in dict(blocks).items():
         spec.append((str(label), _run(r, rows, "rows", label), _run(c, cols, "cols", label)))
@@ -191,6 +191,27 @@ def transposed(param: torch.Tensor):
         raise NotImplementedError("ds_muon.transposed: row blocks of an [in, out] weight would split the wrong "
                                   "axis; split_rows and transposed do not combine")
     setattr(param, TRANSPOSED, True)
+    return param
+
+
+def row_axes(param: torch.Tensor, k: int):
+    """The matrix ``param`` holds is ``[prod(shape[:k]), prod(shape[k:])]`` (per member of an
+    :func:`expert_weight` stack: of ``shape[1:]``), not ``[shape[0], rest]``: ``wo: [H, hd, D]`` that
+    ``einsum("bhsk,hkd->bsd", a, wo)`` applies as one ``[H·hd, D]`` matrix is ``row_axes(wo, 2)`` and
+    :func:`transposed` (its rows are inputs).  The matrix is a contiguous view of the stored elements, so
+    every stack holds it as it holds ``[shape[0], rest]``.  :func:`ds_muon.muon_param_groups` tags the
+    layouts the traced forward applies so.  Returns ``param``."""
+    shape = global_shape(param)
+    axes = len(shape) - (1 if getattr(param, EXPERTS, False) else 0)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < axes:
+        raise ValueError(f"ds_muon.row_axes: k={k!r} for {_what(param)}; the rows are 1 to {axes - 1} leading "
+                         "axes (after the expert axis of a stack: tag ds_muon.expert_weight first)")
+    if getattr(param, TENSOR_PARALLEL, None) is not None and k != 1:
+        raise NotImplementedError("ds_muon.row_axes: a tensor_parallel shard is a 2-D matrix already")
+    if getattr(param, SPLIT_ROWS, None) is not None or getattr(param, BLOCKS, None) is not None:
+        raise NotImplementedError(f"ds_muon.row_axes: tag {_what(param)} row_axes before split_rows or "
+                                  "fused_blocks, whose blocks are rows and columns of that matrix")
+    setattr(param, ROW_AXES, k if k != 1 else None)
     return param
 
 

@@ -141,8 +141,7 @@ def newton_schulz(
     out3 = torch.empty(G3.shape, dtype=out_dtype, device=G.device) if out is None else _out3(out, G3, out_dtype)
     # one cast buffer and one workspace for every chunk (fresh pages per chunk cost page faults)
     chunk = min(chunk, len(G3))
-    cast = None if chunk >= len(G3) or G3.dtype == input_dtype(dtype) else \
-        G3.new_empty((chunk, rows, cols), dtype=input_dtype(dtype))
+    cast = None if chunk >= len(G3) else aligned_stack(chunk, rows, cols, input_dtype(dtype), G.device)
     ws = None if gram else _workspace(chunk, min(rows, cols), max(rows, cols), dtype, G.device)
     # the last step writes straight into the destination (a tall stack's through its transposed view,
     # where ns_kernels.writes_tall says that keeps the bits)
@@ -173,10 +172,15 @@ def _orthogonalize(G: torch.Tensor, per_step, norm_scale: float, eps: float, dty
                    gram: bool, cast=None, ws=None) -> torch.Tensor:
     """Cast, normalise and iterate a stack [batch, rows, cols]; the result in G's orientation.
     ``cast`` (a buffer for the cast) and ``ws`` (the iteration's workspace) are reused across chunks."""
-    X = G.to(input_dtype(dtype)) if cast is None else cast.copy_(G)  # the same elementwise rounding
-    fresh = X is not G  # the cast made a copy this function owns: normalise it in place
-    norm = input_norm(X, norm_scale, eps)
-    X = (X.div_(norm) if fresh and X.dtype == dtype else (X / norm).to(dtype))
+    # each matrix copied to a 64-byte boundary (aligned_stack): the products' bits then do not depend on where
+    # a matrix sat in the stack it came in, so not on which others share its home
+    if G.dtype == input_dtype(dtype) == dtype:  # no cast: normalised straight into the aligned stack
+        X = torch.div(G, input_norm(G, norm_scale, eps),
+                      out=aligned_stack(*G.shape, dtype, G.device) if cast is None else cast)
+    else:
+        X = (aligned_stack(*G.shape, input_dtype(dtype), G.device) if cast is None else cast).copy_(G)
+        norm = input_norm(X, norm_scale, eps)
+        X = X.div_(norm) if X.dtype == dtype else aligned_stack(*G.shape, dtype, G.device).copy_(X / norm)
     # normalised in G's own layout, then viewed wide: the same memory torch.optim.Muon's
     # transposed view has, and the layout torch.compile keeps too (so both run the same products)
     tall = G.size(-2) > G.size(-1)
@@ -238,12 +242,28 @@ def _frobenius_norm(X: torch.Tensor, dim=(-2, -1)) -> torch.Tensor:
     return torch.linalg.vector_norm(X, dim=dim, keepdim=True, dtype=wide)
 
 
+ALIGN_BYTES = 64  # where each matrix an NS product reads starts (a cache line, an AVX-512 vector)
+
+
+def aligned_stack(count: int, m: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A ``[count, m, n]`` buffer whose every matrix starts on an :data:`ALIGN_BYTES` boundary (rows
+    contiguous, the batch stride rounded up).  CPU GEMMs (MKL's ``sgemm`` and batched ``sgemm``, torch
+    2.13) round a product of small matrices differently by where its operands start: on the AMD EPYC 44
+    of 4080 drawn ``mm`` products of a matrix at an odd offset differed from the same on an aligned copy,
+    and 0 of 5428 batched products of aligned matrices differed from the same matrices in another stack
+    (one thread; ``tests/test_ns_kernels.py``).  Where the result lands does not matter (0 of 1800).  torch's
+    allocators return storage aligned at least this far (64 bytes on CPU)."""
+    per = ALIGN_BYTES // dtype.itemsize if ALIGN_BYTES % dtype.itemsize == 0 else 1
+    stride = -(-(m * n) // per) * per if count > 1 else m * n
+    return torch.empty(count * stride, dtype=dtype, device=device).as_strided((count, m, n), (stride, n, 1))
+
+
 def _workspace(count: int, m: int, n: int, dtype: torch.dtype, device) -> list:
-    """A and B ([count, m, m]), then two X buffers ([count, m, n], contiguous whatever X's strides).
-    A fifth entry, where a caller adds one ([count, m, n]: contiguous, or the transposed view of a
-    tall destination), is where the last step writes."""
-    return [torch.empty((count, m, m), dtype=dtype, device=device) for _ in range(2)] + \
-        [torch.empty((count, m, n), dtype=dtype, device=device) for _ in range(2)]
+    """A and B ([count, m, m]), then two X buffers ([count, m, n], rows contiguous whatever X's strides),
+    each matrix aligned (:func:`aligned_stack`).  A fifth entry, where a caller adds one ([count, m, n], or the
+    transposed view of a tall destination), is where the last step writes."""
+    return [aligned_stack(count, m, m, dtype, device) for _ in range(2)] + \
+        [aligned_stack(count, m, n, dtype, device) for _ in range(2)]
 
 
 def _standard_iteration(X: torch.Tensor, per_step, ws=None) -> torch.Tensor:
@@ -286,13 +306,13 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
     restart_every = _restart_interval(X.dtype, len(per_step))
     b_, m, _ = X.shape
     eye = torch.eye(m, dtype=X.dtype, device=X.device).expand(b_, m, m)
-    R = torch.bmm(X, X.mT)
+    square = [aligned_stack(b_, m, m, X.dtype, X.device) for _ in range(5)]  # every product reads aligned matrices
+    R, Z, T, Qs = square[0], square[1], square[2], square[3:]
+    torch.bmm(X, X.mT, out=R)
     Q = None
-    Z = torch.empty_like(R)
-    T = torch.empty_like(R)
     for k, (a, b, c) in enumerate(per_step):
         if k and k % restart_every == 0 and Q is not None:
-            X = torch.bmm(Q, X)
+            X = torch.bmm(Q, X, out=aligned_stack(*X.shape, X.dtype, X.device))
             torch.bmm(X, X.mT, out=R)
             Q = None
         # Z = aI + bR + cR²; the sum aI + B cancels heavily, so it is formed in one rounding
@@ -301,7 +321,7 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
             torch.baddbmm(base, R, R, alpha=c, out=Z)
         else:  # no product for c = 0 (torch 2.13's CPU baddbmm(alpha=0) is wrong in bf16/fp16: ns_kernels.poly)
             Z.copy_(base)
-        Q = Z.clone() if Q is None else torch.bmm(Z, Q)
+        Q = Qs[0].copy_(Z) if Q is None else torch.bmm(Z, Q, out=Qs[1] if Q is Qs[0] else Qs[0])
         if k + 1 < len(per_step):
             torch.bmm(Z, R, out=T)
             torch.bmm(T, Z, out=R)

@@ -243,7 +243,7 @@ def apply(X: torch.Tensor, B: torch.Tensor, a: float, out: torch.Tensor, form: s
     """out ← aX + B·X.  ``out`` may be a transposed view (:func:`writes_tall`: a tall stack's last step
     written in its own layout, no transposing copy after): then always per matrix, ``addmm`` into
     each matrix's transposed view (the batched form into such a view rounded differently)."""
-    if form == "per_matrix" or not out.is_contiguous():
+    if form == "per_matrix" or out.stride(-1) != 1:
         for i in range(X.size(0)):
             torch.addmm(X[i], B[i], X[i], beta=a, out=out[i])
         return out
@@ -275,7 +275,7 @@ def forms_for(X: torch.Tensor, compiling: bool = False) -> Tuple[str, str, str]:
     Under torch.compile the batch dimension is symbolic: batched forms only."""
     if compiling:
         return ("batched",) * 3
-    transposed = not X.is_contiguous()
+    transposed = X.stride(-1) != 1  # (rows contiguous: a stack laid out aligned, newton_schulz.aligned_stack)
     m, n = X.size(-2), X.size(-1)
     dev, dt = X.device.type, X.dtype
     return (choice(dev, dt, "gram", transposed, m, n), choice(dev, dt, "poly", False, m, m),

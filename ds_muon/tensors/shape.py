@@ -19,6 +19,8 @@ def global_shape(t: torch.Tensor) -> Tuple[int, ...]:
     return tuple(int(s) for s in (ds_shape if ds_shape is not None else t.shape))
 
 
-def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
-    """The 2-D shape Muon orthogonalizes: ``[shape[0], prod(shape[1:])]``."""
-    return int(shape[0]), int(math.prod(shape[1:]))
+def matrix_shape(shape: Sequence[int], row_axes: int = 1) -> Tuple[int, int]:
+    """The 2-D shape Muon orthogonalizes: ``[prod(shape[:row_axes]), prod(shape[row_axes:])]`` (by default
+    ``[shape[0], rest]``): a run of leading axes as rows and the rest as columns, a contiguous view of the
+    tensor's row-major elements whatever ``row_axes`` is."""
+    return int(math.prod(shape[:row_axes])), int(math.prod(shape[row_axes:]))

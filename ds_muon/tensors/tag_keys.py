@@ -19,10 +19,17 @@ EXPERTS = "_ds_muon_experts"  # True: dim 0 indexes matrices
 DOMAIN = "_ds_muon_domain"  # process group of the tensor's replicas / shards
 TRANSPOSED = "_ds_muon_transposed"  # True: stored as [in, out] (GPT-2's Conv1D)
 BLOCKS = "_ds_muon_blocks"  # tuple of (label, rows run, cols run): fused blocks, see fused_blocks
+ROW_AXES = "_ds_muon_row_axes"  # int k > 1: the matrix is [prod(shape[:k]), rest] (per expert), see row_axes
 
 
 def is_transposed(param: torch.Tensor) -> bool:
     return bool(getattr(param, TRANSPOSED, False))
+
+
+def row_axes_of(param: torch.Tensor) -> int:
+    """How many leading axes (after an expert stack's) are the rows of the matrix ``param`` holds (1 unless
+    tagged :func:`ds_muon.row_axes`)."""
+    return int(getattr(param, ROW_AXES, None) or 1)
 
 
 def domain_of(param: torch.Tensor, default=None):
@@ -33,10 +40,10 @@ def domain_of(param: torch.Tensor, default=None):
 def is_tagged(param: torch.Tensor) -> bool:
     """Does ``param`` carry a tag that changes which matrices it holds?"""
     return any(getattr(param, a, None) is not None for a in (SPLIT_ROWS, TENSOR_PARALLEL, BLOCKS)) or bool(
-        getattr(param, EXPERTS, False))
+        getattr(param, EXPERTS, False)) or row_axes_of(param) != 1
 
 
-SHAPE_TAGS = (SPLIT_ROWS, EXPERTS, TRANSPOSED, BLOCKS)  # which matrices a tensor holds, and how each scales
+SHAPE_TAGS = (SPLIT_ROWS, EXPERTS, TRANSPOSED, BLOCKS, ROW_AXES)  # which matrices a tensor holds, and how each scales
 
 
 def shape_tags(param: torch.Tensor) -> Optional[dict]:

@@ -2,7 +2,7 @@
 of each a rank has, for adapters to put in a :class:`~ds_muon.engine.exchange.layout.ParamBinding`.
 
 :func:`logical_blocks` reads the tags of :mod:`ds_muon.models.tags` (split rows, expert
-stacks) into contiguous ranges of the tensor's row-major flattening;
+stacks, row axes) into contiguous ranges of the tensor's row-major flattening;
 :func:`block_slots` clips them to the range a rank holds; :func:`tp_slots` does the
 same for a :func:`~ds_muon.models.tags.tensor_parallel` shard.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import MatrixSlot, Piece, global_shape, matrix_shape, slots_in_range
-from ...tensors.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed
+from ...tensors.tag_keys import BLOCKS, EXPERTS, SPLIT_ROWS, TENSOR_PARALLEL, is_transposed, row_axes_of
 
 Block = Tuple[str, Tuple[int, int], int]  # key, 2-D shape, start in the tensor's row-major flattening
 
@@ -25,26 +25,27 @@ def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
 
     Each is ``(key, (rows, cols), start)``: a contiguous range of the tensor's
     row-major flattening.  An untagged tensor is one matrix keyed ``name`` with
-    its own shape (conv weights stay ``[out, in·k·k]``); blocks are keyed
+    its own shape (conv weights stay ``[out, in·k·k]``); one tagged
+    :func:`~ds_muon.models.tags.row_axes` is ``[prod(shape[:k]), rest]``; blocks are keyed
     ``name[label]``, experts ``name[e]``.
     """
     shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))
     if getattr(param, BLOCKS, None) is not None:
         return [(k, bshape, off) for k, bshape, off, _, _ in strided_blocks(param, name, shape)]
-    split = getattr(param, SPLIT_ROWS, None)
+    split, k = getattr(param, SPLIT_ROWS, None), row_axes_of(param)
     if getattr(param, EXPERTS, False):
         if len(shape) < 3:
             raise ValueError(f"ds_muon: {name} is tagged expert_weight but has shape {shape}; expected [E, out, in]")
-        mshape = (shape[1], math.prod(shape[2:]))
+        mshape = member_matrix(shape[1:], k, name)
         size = mshape[0] * mshape[1]
         bases = [(f"{name}[{e}]", e * size) for e in range(shape[0])]
     else:
-        if split is None:
+        if split is None and k == 1:
             return [(name, shape, 0)]
-        mshape = matrix_shape(shape)
+        mshape = member_matrix(shape, k, name)
         bases = [(name, 0)]
     if split is None:
-        return [(k, mshape, s) for k, s in bases]
+        return [(key, mshape, s) for key, s in bases]
     total = sum(n for _, n in split)
     if total != mshape[0]:
         raise ValueError(
@@ -59,6 +60,14 @@ def logical_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
     return out
 
 
+def member_matrix(shape: Sequence[int], row_axes: int, name: str) -> Tuple[int, int]:
+    """The matrix of one tensor (or stack member) of ``shape`` whose first ``row_axes`` axes are its rows."""
+    if not 1 <= row_axes < len(shape):
+        raise ValueError(f"ds_muon: {name} is tagged row_axes={row_axes} but a matrix of shape {tuple(shape)} "
+                         f"has {len(shape)} axes; rows are 1 to {len(shape) - 1} leading axes")
+    return matrix_shape(shape, row_axes)
+
+
 StridedBlock = Tuple[str, Tuple[int, int], int, Tuple[int, ...], Tuple[int, ...]]
 
 
@@ -67,11 +76,12 @@ def strided_blocks(param: torch.Tensor, name: str, shape: Optional[Sequence[int]
     each block the 4-D view ``[row runs, run rows, col runs, run cols]`` of the tensor's row-major
     flattening from ``offset`` (its row-major order is the block's)."""
     shape = tuple(int(s) for s in (global_shape(param) if shape is None else shape))
+    k = row_axes_of(param)
     if getattr(param, EXPERTS, False):
-        rows, cols = shape[1], math.prod(shape[2:])
+        rows, cols = member_matrix(shape[1:], k, name)
         bases = [(f"{name}[{e}]", e * rows * cols) for e in range(shape[0])]
     else:
-        rows, cols = matrix_shape(shape)
+        rows, cols = member_matrix(shape, k, name)
         bases = [(name, 0)]
     out = []
     for key, base in bases:

@@ -184,6 +184,9 @@ class Muon(Optimizer):
         are filled in only where they act."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        # a copy: the defaults filled in below stay out of the caller's dict, so the same dicts build a second
+        # optimizer (a resume script, a sweep) with what the caller wrote, not with this one's defaults as if given
+        param_group = dict(param_group)
         if not param_group.get("use_muon", True):
             param_group.setdefault("betas", self.adam_betas)
             param_group.setdefault("eps", self.adam_eps)

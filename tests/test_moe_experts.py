@@ -252,10 +252,7 @@ def _worker(rank, world):
 
 def test_sharded_moe_equals_single_process_w2():
     refs = {"fp32": _reference(torch.float32), "bf16": _reference(torch.bfloat16)}
-    # fresh ranks (issue 51, open): after the suite's earlier tests a pooled rank's FSDP2 bf16 run differs from
-    # a fresh rank's (the one-process reference and the fp32 runs stay bitwise; the global_state guard sees no
-    # leaked setting), so the state that changes bf16 kernels is not yet named; a fresh rank is what users run
-    results = dist_harness.run(_worker, 2, timeout=240, fresh=True)
+    results = dist_harness.run(_worker, 2, timeout=240)
     per_expert = [f"gate_up_proj[{e}][{h}]" for e in range(4) for h in ("gate", "up")]
     for out in results:
         for label in ("fp32", "bf16", "first_fp32"):

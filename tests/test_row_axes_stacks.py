@@ -191,3 +191,19 @@ def test_row_axes_matrices_on_zero2_and_zero3_equal_one_process():
         for rank, out in enumerate(results):
             for n, t in want.items():
                 assert torch.equal(out[stage, ns_dtype]["final"][n], t), (stage, ns_dtype, rank, n)
+
+
+def test_row_axes_refuses_what_it_cannot_mean():
+    w = nn.Parameter(torch.randn(3, 4, 5))
+    for k in (0, 3, 1.5, True):
+        with pytest.raises(ValueError, match=r"row_axes: k=.*shape \(3, 4, 5\).*1 to 2 leading"):
+            ds_muon.row_axes(w, k)
+    e = ds_muon.expert_weight(nn.Parameter(torch.randn(2, 3, 4, 5)))
+    ds_muon.row_axes(e, 2)  # per expert: [3·4, 5]
+    from ds_muon.engine.exchange.slots import logical_blocks
+    assert logical_blocks(e, "e") == [("e[0]", (12, 5), 0), ("e[1]", (12, 5), 60)]
+    s = ds_muon.split_rows(nn.Parameter(torch.randn(6, 4, 5)), [2, 4])
+    with pytest.raises(NotImplementedError, match="before split_rows"):
+        ds_muon.row_axes(s, 2)
+    r = ds_muon.split_rows(ds_muon.row_axes(nn.Parameter(torch.randn(2, 3, 5)), 2), {"a": 2, "b": 4})
+    assert logical_blocks(r, "r") == [("r[a]", (2, 5), 0), ("r[b]", (4, 5), 10)]

@@ -271,6 +271,26 @@ def test_constructor_keywords_are_defaults_not_given():
     opt.step()
 
 
+def test_the_same_group_dicts_build_a_second_optimizer_as_written():
+    """torch fills its defaults into the dicts it is given; ds_muon fills copies, so a resume script or a sweep
+    that builds Muon twice from the same dicts is not told that a default the first build filled in
+    (normuon_beta2, betas on the Muon group, ...) was a setting given to the second (issue 51)."""
+    model = mlp()
+    groups = ds_muon.muon_param_groups(model)
+    written = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    first = ds_muon.Muon(groups, lr=0.02, log_summary=False)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == written
+    second = ds_muon.Muon(groups, lr=0.02, log_summary=False)
+    assert [sorted(g) for g in first.param_groups] == [sorted(g) for g in second.param_groups]
+    third = ds_muon.Muon(groups, lr=0.02, variant="normuon", log_summary=False)  # a sweep over the variant
+    assert third.param_groups[0]["variant"] == "normuon" and "normuon_beta2" in third.param_groups[0]
+    with pytest.raises(ValueError, match="normuon_beta2"):  # what the caller writes is still checked
+        ds_muon.Muon([dict(groups[0], normuon_beta2=0.9), groups[1]], lr=0.02, log_summary=False)
+    for opt in (first, second):
+        backward(model)
+        opt.step()
+
+
 def test_older_state_dict_with_every_default_in_every_group_still_loads():
     """An older ds_muon filled every default into every group: those (none of them given) are dropped."""
     model, opt = trained()

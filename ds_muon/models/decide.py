@@ -371,9 +371,8 @@ def _traced_blocks(d: Decision, t: TensorView) -> Decision:
 
 
 def _applied(use: Use, shape) -> Decision:
-    """A raw parameter applied through an equation: Muon on the ``[out, in]`` matrix the equation applies, per
-    stack member (:mod:`.equations`), where a ``[prod(shape[:k]), rest]`` view holds it; AdamW, saying why,
-    where not."""
+    """A raw parameter applied through an equation: Muon on the ``[out, in]`` matrix it applies, per stack member
+    (:mod:`.equations`), where a ``[prod(shape[:k]), rest]`` view holds it; AdamW, saying why, where not."""
     a = use.applied
     if use.applied_unread or a is None:
         return Decision(RAW, False, f"{RAW} ({use.applied_unread}: traced)", decided_by="trace")

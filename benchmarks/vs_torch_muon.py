@@ -1,0 +1,139 @@
+"""ds_muon against torch.optim.Muon on one process, each at its defaults, by phase (issue 50).
+
+One thread, the same matrices and gradients, rounds interleaved (ds_muon, torch, ds_muon, ...), medians of
+process CPU time with wall time beside it.  Only matrices: both optimizers get the same 2-D weights (torch's
+Muon takes nothing else), so the step compared is the Muon step.  Models:
+
+* the demo GPT (``examples/gpt.GPT``: d=128, 4 layers, its 16 hidden matrices);
+* the wide bank (4×256×1024, 4×1024×256, 4×256²);
+* a Llama-shaped bank: the q/k/v/o and gate/up/down matrices of 7B layers at 1/8 of the width
+  (d=512, ff=1376: 7B's 4096 and 11008 divided by 8, its aspect ratios kept), 2 layers — 7B's own
+  4096×11008 matrices take tens of seconds of NS each on a 2-core CPU.
+
+Then a profile of ds_muon's step by phase (``torch.profiler`` record_function ranges of the runtime's
+stages, where present, and the NS products), and the same for torch's.  ``DS_MUON_CPU_FLAGS="AuthenticAMD:avx2
+fma"`` simulates an AVX2-only EPYC (auto picks fp32 there; said in the header).
+
+    python benchmarks/vs_torch_muon.py [--repeats 7] [--only gpt,wide,llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from common import header, table
+from gpt import GPT
+
+import ds_muon
+from ds_muon.rules import ns_auto
+
+
+class Bank(nn.Module):
+    def __init__(self, shapes):
+        super().__init__()
+        self.mats = nn.ParameterList(nn.Parameter(torch.randn(o, i) / i ** 0.5) for o, i in shapes)
+
+
+def wide_bank():
+    return Bank([(256, 1024)] * 4 + [(1024, 256)] * 4 + [(256, 256)] * 4)
+
+
+def llama_bank(layers=2, d=512, ff=1376):
+    return Bank([(d, d)] * 4 * layers + [(ff, d)] * 2 * layers + [(d, ff)] * layers)
+
+
+def gpt_matrices():
+    model = GPT()
+    groups = ds_muon.muon_param_groups(model)
+    return [p for g in groups if g["use_muon"] for p in g["params"]]
+
+
+def _grads(mats, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) * torch.logspace(0, -2, p.shape[-1]) for p in mats]
+
+
+def _timed(opt, mats, grads):
+    for p, g in zip(mats, grads):
+        p.grad = g.clone()
+    c0, w0 = time.process_time(), time.perf_counter()
+    opt.step()
+    return time.process_time() - c0, time.perf_counter() - w0
+
+
+def compare(name, mats, repeats):
+    grads = _grads(mats)
+    ours = ds_muon.Muon([{"params": mats, "use_muon": True}], lr=0.02, log_summary=False)
+    theirs = torch.optim.Muon(mats, lr=0.02)
+    times = {"ds_muon": [], "torch.optim.Muon": []}
+    for k in range(repeats + 2):  # interleaved; two warm-up rounds
+        for label, opt in (("ds_muon", ours), ("torch.optim.Muon", theirs)):
+            t = _timed(opt, mats, grads)
+            if k >= 2:
+                times[label].append(t)
+    cpu = {k: statistics.median(c for c, _ in v) for k, v in times.items()}
+    wall = {k: statistics.median(w for _, w in v) for k, v in times.items()}
+    return (name, len(mats), f"{cpu['ds_muon'] * 1e3:.1f}", f"{wall['ds_muon'] * 1e3:.1f}",
+            f"{cpu['torch.optim.Muon'] * 1e3:.1f}", f"{wall['torch.optim.Muon'] * 1e3:.1f}",
+            f"{cpu['ds_muon'] / cpu['torch.optim.Muon']:.2f}"), ours, grads
+
+
+def profile(opt, mats, grads, rounds=5):
+    """Self CPU time per op (and per record_function range) over ``rounds`` steps."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    for p, g in zip(mats, grads):
+        p.grad = g.clone()
+    with prof(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(rounds):
+            opt.step()
+    rows = []
+    events = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    for e in events[:14]:
+        rows.append((e.key[:48], e.count // rounds, f"{e.self_cpu_time_total / rounds / 1e3:.2f}",
+                     f"{e.self_cpu_time_total / total:.2f}"))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--only", default="gpt,wide,llama")
+    ap.add_argument("--profile", action="store_true", help="print each optimizer's ops by self CPU time")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    header("ds_muon vs torch.optim.Muon, one process, one thread, each at its defaults")
+    flags = os.environ.get(ns_auto.FLAGS_ENV)
+    print(f"ns_dtype auto -> {ns_auto.resolve_dtype('auto', 'cpu')}"
+          + (f" (CPU flags simulated: {ns_auto.FLAGS_ENV}={flags!r})" if flags else ""))
+    builders = {"demo GPT": gpt_matrices, "wide bank": lambda: list(wide_bank().parameters()),
+                "Llama-shaped bank": lambda: list(llama_bank().parameters())}
+    keys = {"gpt": "demo GPT", "wide": "wide bank", "llama": "Llama-shaped bank"}
+    rows, profiled = [], []
+    for key in args.only.split(","):
+        name = keys[key]
+        torch.manual_seed(0)
+        mats = builders[name]()
+        row, ours, grads = compare(name, mats, args.repeats)
+        rows.append(row)
+        if args.profile:
+            theirs = torch.optim.Muon(mats, lr=0.02)
+            profiled.append((name, profile(ours, mats, grads), profile(theirs, mats, grads)))
+    table(["model", "matrices", "ds_muon CPU ms", "(wall)", "torch.optim.Muon CPU ms", "(wall)",
+           "ds_muon / torch (CPU)"], rows)
+    for name, a, b in profiled:
+        print(f"\n## {name}: ds_muon, ops by self CPU time per step")
+        table(["op", "calls/step", "ms/step", "share"], a)
+        print(f"\n## {name}: torch.optim.Muon")
+        table(["op", "calls/step", "ms/step", "share"], b)
+
+
+if __name__ == "__main__":
+    main()

@@ -40,12 +40,34 @@ def snapshot(env: bool = True) -> Dict[str, object]:
         "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
         "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
     }
+    s["kernel bits (bf16/fp32 products and NS on fixed inputs)"] = kernel_bits()
     # the kernel forms and chunk budget in effect (table, calibration, pins): what the step's agreement compares
     s["ds_muon.rules.ns_kernels.fingerprint()"] = ns_kernels.fingerprint()
     s["ds_muon ns_auto pins"] = dict(ns_auto._pinned)  # (choice() would measure where the table has no entry)
     if env:
         s.update({f"os.environ[{k!r}]": v for k, v in os.environ.items() if k not in _IGNORED_ENV})
     return s
+
+
+_PROBE = [torch.randn((3, 24, 40), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+
+
+def kernel_bits() -> str:
+    """A digest of what the matmul kernels compute on fixed inputs (bf16 and fp32 ``bmm``/``baddbmm``, ``mm``
+    and one bf16 NS): state no getter shows (a library switching the CPU's denormal mode, oneDNN's ISA or
+    primitive choices) still shows here, at this thread count."""
+    import zlib
+
+    from ds_muon.rules.newton_schulz import newton_schulz
+
+    a, b = _PROBE
+    outs = []
+    for dt in (torch.bfloat16, torch.float32):
+        x, y = a.to(dt), b.to(dt)
+        outs += [torch.bmm(x, y.mT), torch.baddbmm(x, torch.bmm(x, x.mT), y, beta=0.5), torch.mm(x[0], y[1].T),
+                 x * 1e-38]  # (the last: where denormals are flushed, it differs)
+    outs.append(newton_schulz(a, dtype=torch.bfloat16))
+    return "".join(f"{zlib.crc32(o.contiguous().view(torch.uint8).numpy().tobytes()):08x}" for o in outs)
 
 
 def changes(before: Dict[str, object], after: Dict[str, object]) -> str:

@@ -204,7 +204,7 @@ def input_norm(X: torch.Tensor, norm_scale: float, eps: float, dim=(-2, -1)) -> 
     fast = fast.clamp_(min=eps).to(X.dtype)
     if X.dtype == torch.float32:  # _frobenius_norm already sums fp32 in float64: no overflow, no underflow
         return fast
-    if X.device.type == "cpu" and bool(((raw >= 2.0 ** -38) & (raw <= 2.0 ** 61)).all()):
+    if X.device.type == "cpu" and bool(((raw >= 2.0 ** -38) & (raw <= 2.0 ** 61)).numpy().all()):
         # (on the host a check costs no sync) every norm 4x inside the range where the fast one is right: the
         # float64 norm, within far less than 4x of it, is inside [2^-40, 2^63] too, so the where below would
         # pick fast everywhere; the float64 norm (a sixth of a small bf16 NS) is not needed

@@ -198,7 +198,8 @@ def input_norm(X: torch.Tensor, norm_scale: float, eps: float, dim=(-2, -1)) -> 
     any fp32/bf16/fp16 value; a float64 input is pre-scaled by its max-abs), and that one is taken
     wherever the fast one could have over- or underflowed: where the float64 norm lies outside
     [2⁻⁴⁰, 2⁶³] (there the fp32 sum is exact to its own rounding).  Elsewhere the result is the
-    bits of the fast norm, so NS stays bitwise torch.optim.Muon's.  No host sync: a ``where``."""
+    bits of the fast norm, so NS stays bitwise torch.optim.Muon's.  No device sync: a ``where`` (on the host,
+    where reading a value costs nothing, the float64 norm is skipped when no norm is near the edges)."""
     raw = _frobenius_norm(X, dim)
     fast = raw * norm_scale if norm_scale != 1.0 else raw
     fast = fast.clamp_(min=eps).to(X.dtype)

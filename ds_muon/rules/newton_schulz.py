@@ -205,7 +205,8 @@ def input_norm(X: torch.Tensor, norm_scale: float, eps: float, dim=(-2, -1)) -> 
     fast = fast.clamp_(min=eps).to(X.dtype)
     if X.dtype == torch.float32:  # _frobenius_norm already sums fp32 in float64: no overflow, no underflow
         return fast
-    if X.device.type == "cpu" and bool(((raw >= 2.0 ** -38) & (raw <= 2.0 ** 61)).numpy().all()):
+    if X.device.type == "cpu" and not _compiling() and \
+            bool(((raw >= 2.0 ** -38) & (raw <= 2.0 ** 61)).numpy().all()):  # (compiled: no graph break)
         # (on the host a check costs no sync) every norm 4x inside the range where the fast one is right: the
         # float64 norm, within far less than 4x of it, is inside [2^-40, 2^63] too, so the where below would
         # pick fast everywhere; the float64 norm (a sixth of a small bf16 NS) is not needed
@@ -256,7 +257,7 @@ def aligned_stack(count: int, m: int, n: int, dtype: torch.dtype, device) -> tor
     2.13) round a product of small matrices differently by where its operands start: on the AMD EPYC 44
     of 4080 drawn ``mm`` products of a matrix at an odd offset differed from the same on an aligned copy,
     and 0 of 5428 batched products of aligned matrices differed from the same matrices in another stack
-    (one thread; ``tests/test_ns_kernels.py``).  Where the result lands does not matter (0 of 1800).  torch's
+    (one thread; ``benchmarks/ns_neighbours.py`` counts, ``tests/test_ns_kernels.py`` checks).  Where the result lands does not matter (0 of 1800).  torch's
     allocators return storage aligned at least this far (64 bytes on CPU)."""
     per = ALIGN_BYTES // dtype.itemsize if ALIGN_BYTES % dtype.itemsize == 0 else 1
     stride = -(-(m * n) // per) * per if count > 1 else m * n

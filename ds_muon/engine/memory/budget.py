@@ -26,7 +26,7 @@ from typing import List, Sequence
 
 import torch
 
-FLOOR_BYTES = 4 << 20  # waves and NS chunks this small are never split (a 1 MiB floor cut the demo GPT's step into 9 NS calls and ran it 1.28x torch.optim.Muon's CPU time; 4 MiB: 4 calls, 0.94x)
+FLOOR_BYTES = 4 << 20  # waves and NS chunks this small are never split (a 1 MiB floor cut the demo GPT's step into 9 NS calls and ran it 1.28x torch.optim.Muon's CPU time; 4 MiB: 4 calls, 0.92-0.94x: docs/PERFORMANCE.md)
 STATE_FRACTION = 32  # a wave may hold 1/32 of all matrices' bytes (NS workspace ~3x: < 10 % of the state)
 NS_WORKSPACE = 5  # NS temporaries of a chunk, in its input's elements (normalised X, A and B, two X buffers)
 

@@ -477,3 +477,68 @@ def test_the_same_computation_written_two_ways_gets_the_same_decisions():
     four, one = _muon_elements(Attn(False), (_tokens(),)), _muon_elements(Attn(True), (_tokens(),))
     assert dict(four) == {"embed": False, "head": False, "q": True, "k": True, "v": True, "o": True}, four
     assert dict(one) == {"embed": False, "head": False, "qkvo_w": True}, one
+
+
+# -- the finals and two-ways classes under DDP and FSDP2 ------------------------------------------------------------
+def _outputs(out) -> List[torch.Tensor]:
+    """Every tensor of a model's output, whatever the container (tuple, list, dict, dataclass)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if dataclasses.is_dataclass(out):
+        out = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    elif isinstance(out, dict):
+        out = list(out.values())
+    return [t for o in out for t in _outputs(o)]
+
+
+def _wrapped_models():
+    """(label, build, inputs): a seeded sample of the finals class and every two-ways pair."""
+    img, obs = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(3)), torch.randn(
+        3, 6, generator=torch.Generator().manual_seed(4))
+    cases = [(f"finals {s}", lambda s=s: Heads(s), (_tokens(),)) for s in _seeds(40)[:4]]
+    cases += [("patch conv", PatchConv, (img,)), ("patch linear", PatchLinear, (img,)),
+              ("obs linear", lambda: Obs(raw=False), (obs,)), ("obs raw", lambda: Obs(raw=True), (obs,)),
+              ("four linears", lambda: Attn(False), (_tokens(),)), ("qkvo stack", lambda: Attn(True), (_tokens(),))]
+    return cases
+
+
+def _train_wrapped(k: int, stack: str, world: int):
+    """The decisions (name -> on Muon) and the parameters after two steps of case ``k`` on ``stack``."""
+    label, build, inputs = _wrapped_models()[k]
+    torch.manual_seed(k)
+    model = build()
+    if stack == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model)
+    elif stack == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    groups = ds_muon.muon_param_groups(model, example_inputs=inputs, lr=0.05, adam_lr=0.01)
+    decisions = {n: g["use_muon"] for g in groups for n in g["param_names"]}
+    opt = ds_muon.Muon(groups, ns_dtype=torch.float32, log_summary=False)
+    for _ in range(2):  # every rank the same batch: the reduced gradient is each rank's, exactly
+        sum(t.float().square().mean() for t in _outputs(model(*inputs))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    inner = model.module if stack == "ddp" else model
+    return decisions, {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                       for n, p in inner.named_parameters()}
+
+
+def _wrapped_worker(rank, world):
+    return {(k, stack): _train_wrapped(k, stack, world)
+            for k in range(len(_wrapped_models())) for stack in ("ddp", "fsdp2")}
+
+
+def test_finals_and_two_ways_decide_and_step_the_same_under_ddp_and_fsdp2():
+    """The wrapped model is read as the bare one (a DDP ``module.`` prefix, FSDP2's DTensors) and steps as it."""
+    refs = {k: _train_wrapped(k, "single", 1) for k in range(len(_wrapped_models()))}
+    for out in dist_harness.run(_wrapped_worker, 2, timeout=300):
+        for (k, stack), (decisions, params) in out.items():
+            label = _wrapped_models()[k][0]
+            bare_decisions, bare_params = refs[k]
+            strip = {n.removeprefix("module."): m for n, m in decisions.items()}
+            assert strip == bare_decisions, (label, stack, strip, bare_decisions)
+            for n, ref in bare_params.items():
+                assert torch.equal(params[n], ref), (label, stack, n)

@@ -10,7 +10,7 @@ another way:
   also runs under DDP and FSDP2, ``torch.equal`` to one process.
 - **finals**: drawn ops between the last weights and the output (stack, cat, soft-caps, ``where``,
   ``masked_fill``, casts, ``sort``, ``gather``, a custom ``autograd.Function``; list, dict and dataclass
-  outputs, several at once): the heads take AdamW and every other matrix Muon, the reference being the final
+  outputs, several at once, a buffer each head's output is written into): the heads take AdamW and every other matrix Muon, the reference being the final
   layers read from the autograd graph of a real forward (``tools/census.final_layers``).
 - **two ways**: the same computation written two ways gets the same decisions.
 
@@ -303,6 +303,13 @@ class Out:
     extra: torch.Tensor
 
 
+def _written(ts):
+    out = ts[0].new_zeros((len(ts), *ts[0].shape))
+    for k, t in enumerate(ts):
+        out[k] = t
+    return out
+
+
 def _combine(rng: random.Random):
     """A drawn chain of ops between the heads' outputs and the model's output, and the output container."""
     unary = {
@@ -323,6 +330,7 @@ def _combine(rng: random.Random):
         "dict": lambda ts: {f"k{i}": t for i, t in enumerate(ts)},
         "dataclass": lambda ts: Out(ts[0], torch.stack(ts[1:] or ts, 0)),
         "tuple+hidden": None,  # the heads' outputs and the last hidden state beside them: several outputs
+        "written": _written,  # each head's output written into one buffer (``out[:, k] = head(h)``), returned
     }
     ops = [rng.choice(sorted(unary)) for _ in range(rng.randint(0, 3))]
     join = rng.choice(sorted(joins))

@@ -117,16 +117,16 @@ def _grads():
     return [torch.randn(s, generator=g) for s in SHAPES]
 
 
-def _opts(ns_dtype):
-    # team NS runs the standard iteration (auto would take Gram on wide fp32 matrices, which never team)
-    return dict(lr=0.05, momentum=0.9, ns_dtype=ns_dtype, ns_method="standard", cost_model=FORCE)
+def _opts(ns_dtype, method="standard"):
+    # a team iterates the standard way; test_auto_teams_what_standard_teams checks auto (Gram at one home)
+    return dict(lr=0.05, momentum=0.9, ns_dtype=ns_dtype, ns_method=method, cost_model=FORCE)
 
 
-def _reference(ns_dtype):
+def _reference(ns_dtype, method="standard"):
     """One process: the one-home result (and, with float64, the exact one)."""
     with dist_harness.one_thread():
         mats = [nn.Parameter(m) for m in _initial()]
-        opt = ds_muon.Muon([{"params": mats}], **_opts(ns_dtype))
+        opt = ds_muon.Muon([{"params": mats}], **_opts(ns_dtype, method))
         for p, g in zip(mats, _grads()):
             p.grad = g
         opt.step()
@@ -156,11 +156,12 @@ def _worker(rank, world, configs):
     """One flat partition per rank (uneven, one range empty at W >= 3); a step per (dtype, team_ns)."""
     mats, offsets, lo, hi = _flat_partition(rank, world)
     out = []
-    for ns_dtype, team_ns, layout in configs:
+    for ns_dtype, team_ns, layout, *method in configs:
+        kw = _opts(ns_dtype, *method)
         if layout == "replicated":  # DDP-like: every rank holds every matrix whole (the default adapter)
             params = [nn.Parameter(m.clone()) for m in mats]
             opt = ds_muon.Muon([{"params": params, "param_names": [f"m{i}" for i in range(len(mats))]}],
-                               team_ns=team_ns, **_opts(ns_dtype))
+                               team_ns=team_ns, **kw)
             for p, g in zip(params, _grads()):
                 p.grad = g
             opt.step()
@@ -174,8 +175,7 @@ def _worker(rank, world, configs):
         def describe(p, name, context):
             return ParamBinding(p, lambda t: t.reshape(-1), slots_in_range(offsets, lo, hi))
 
-        opt = ds_muon.Muon([{"params": [local]}], adapter=HandAdapter(describe), team_ns=team_ns,
-                           **_opts(ns_dtype))
+        opt = ds_muon.Muon([{"params": [local]}], adapter=HandAdapter(describe), team_ns=team_ns, **kw)
         local.grad = torch.cat([g.reshape(-1) for g in _grads()])[lo:hi].clone()
         opt.step()
         summary = opt.summary()
@@ -237,6 +237,29 @@ def test_team_step_within_the_bound_of_one_home_and_float64(world):
             e_team = _rel(team[a:z], exact[a:z])
             assert _rel(team[a:z], home[a:z]) <= BOUND[dtype], (k, dtype, e_home, e_team)
             assert e_team <= 2 * e_home, (k, dtype, e_team, e_home)
+
+
+def test_auto_teams_what_standard_teams():
+    """Under ``ns_method="auto"`` the wide and tall fp32 matrices would take the Gram iteration at one home;
+    where the team's step is shorter (here NS dominates: FORCE), they are teamed as under ``"standard"``
+    (issue 51: auto had kept them at one home), within BOUND of auto's one-home (Gram) result; the others
+    bitwise auto's one-home result."""
+    from ds_muon.rules.newton_schulz import resolve_method
+
+    if resolve_method("auto", *SHAPES[0], 5, torch.float32, "cpu") != "gram":
+        pytest.skip("auto does not take the Gram iteration for fp32 on this machine")
+    p0 = torch.cat([m.reshape(-1) for m in _initial()])
+    (std, std_teams, _), (auto, auto_teams, _) = _sharded(3, [(torch.float32, True, "flat", "standard"),
+                                                              (torch.float32, True, "flat", "auto")])
+    assert auto_teams == std_teams and "m0" in auto_teams, (auto_teams, std_teams)
+    home = _reference(torch.float32, "auto") - p0
+    at = 0
+    for k, s in enumerate(SHAPES):
+        a, at = at, at + torch.Size(s).numel()
+        if f"m{k}" in auto_teams:
+            assert _rel(auto[a:at] - p0[a:at], home[a:at]) <= BOUND[torch.float32], k
+        else:
+            assert torch.equal(auto[a:at] - p0[a:at], home[a:at]), k
 
 
 def test_team_ns_setting_is_checked_carried_and_in_the_plan_table():

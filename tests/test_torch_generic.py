@@ -592,6 +592,76 @@ def test_non_empty_state():
         assert all(len(st) > 0 for st in opt.state.values())
 
 
+# -- beyond torch's suite: the state before the first step (issue 51) ------------------------------------
+def _lm():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+
+
+_TOKENS = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(0))
+
+
+def _ds(model):
+    return ds_muon.Muon(ds_muon.muon_param_groups(model, example_inputs=(_TOKENS,)), log_summary=False)
+
+
+def _train(model, opt, steps=3):
+    for _ in range(steps):
+        model(_TOKENS).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_state_is_made_at_the_first_step_as_torchs():
+    """As torch.optim.Muon and AdamW (and Keller's MuonWithAuxAdam): no state before the first step, so a
+    step-0 ``state_dict()`` holds the groups only and loads into a fresh optimizer, which then trains exactly
+    as the one that saved it."""
+    model = _lm()
+    ours, theirs = _ds(model), torch.optim.Muon([model[1].weight])
+    assert len(ours.state) == len(theirs.state) == 0
+    saved = deepcopy(ours.state_dict())
+    assert saved["state"] == {}
+    reference = _train(model, ours)
+    again = _lm()
+    opt = _ds(again)
+    opt.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(_train(again, opt), reference))
+
+
+def test_a_step_0_dcp_checkpoint_changes_no_parameter_and_resumes_exactly():
+    """``get_optimizer_state_dict`` at step 0 fills the state with one step of zero gradients at lr 0 (torch's
+    ``_init_optim_state``): no parameter moves, every parameter gets its state, and the checkpoint loaded into
+    a fresh optimizer trains as the optimizer that saved it.  (That zero step counts as AdamW's first, as it
+    does for torch.optim.AdamW: the run differs from one never checkpointed at step 0, for both.)"""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = _lm()
+    opt = _ds(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    saved = deepcopy(get_optimizer_state_dict(model, opt))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert set(saved["state"]) == {n for n, _ in model.named_parameters()}
+    reference = _train(model, opt)
+    again = _lm()
+    fresh = _ds(again)
+    set_optimizer_state_dict(again, fresh, saved)
+    assert all(torch.equal(a, b) for a, b in zip(_train(again, fresh), reference))
+
+
+def test_add_param_group_before_the_first_step_trains_as_one_construction():
+    """The group added before any step (a script that adds the head later) steps as if it had been given at
+    construction: same settings filled in, same updates."""
+    whole, split = _lm(), _lm()
+    groups = ds_muon.muon_param_groups(whole, example_inputs=(_TOKENS,))
+    reference = _train(whole, ds_muon.Muon(groups, log_summary=False))
+    groups = ds_muon.muon_param_groups(split, example_inputs=(_TOKENS,))
+    opt = ds_muon.Muon(groups[:1], log_summary=False)
+    for g in groups[1:]:
+        opt.add_param_group(g)
+    assert all(torch.equal(a, b) for a, b in zip(_train(split, opt), reference))
+
+
 # -- beyond torch's suite: non-contiguous parameters are bitwise the contiguous ones' -----------------
 @pytest.mark.parametrize("overlap", [False, True])
 def test_non_contiguous_parameter_steps_bitwise_like_contiguous(overlap):

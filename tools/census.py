@@ -246,11 +246,12 @@ _VIEW_NODES = ("View", "UnsafeView", "Permute", "Transpose", "T", "Expand", "Res
                "Split", "SplitWithSizes", "Narrow", "Contiguous", "Unfold", "Flip", "Repeat")
 
 
-_JOIN_NODES = ("Cat", "Stack")
+# pieces side by side: concatenated, stacked, or written into one buffer (``out[k] = t``: CopySlices, IndexPut)
+_JOIN_NODES = ("Cat", "Stack", "CopySlices", "IndexPut")
 
 
 def _node_kind(node) -> str:
-    n = node.name()
+    n = node.name().rsplit("::", 1)[-1]  # torch::autograd::CopySlices
     for suffix in ("Backward0", "Backward1", "Backward2"):
         if n.endswith(suffix):
             n = n[: -len(suffix)]

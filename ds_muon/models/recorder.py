@@ -153,6 +153,9 @@ class _Recorder(TorchFunctionMode):
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         infos = [self.get(a) for a in flat_in]
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if name == "__setitem__" and args and isinstance(args[0], torch.Tensor):
+            self._write(args[0], infos)
+            return
         if not outs:
             return
         if self._matrix(name, func, args, kwargs, out) is not None:
@@ -369,6 +372,19 @@ class _Recorder(TorchFunctionMode):
         return none
 
     # -- the end
+    def _write(self, dst: torch.Tensor, infos: Sequence[_Info]) -> None:
+        """``dst[idx] = value`` returns nothing: the destination (and the tensor it is a view of) is its output,
+        carrying the writers' weights beside its own as a concatenation does (a decoder that writes each chunk's
+        output into one buffer returns that buffer), its feature companion unchanged."""
+        for t in (dst, dst._base):
+            if t is None:
+                continue
+            held = self.get(t)
+            sets = [i for i in infos if i.last or i.weighted] + [held]
+            self.put(t, _Info(raw=held.raw and not any(i.weighted for i in infos), weighted=any(i.weighted for i in sets),
+                              last=_provenance("__setitem__", sets), comp=held.comp, pooled=held.pooled,
+                              param=held.param, view=held.view, gathered=held.gathered))
+
     def finish(self, outputs: Sequence[torch.Tensor]) -> Dict[str, Use]:
         for t in outputs:
             for p in self.get(t).last:

@@ -283,11 +283,14 @@ def compile_exchanges(layout: Layout, todo: List[int], group_of: Dict[int, dict]
 
 def team_eligible(layout: Layout, i: int, ns: NSSettings, device) -> bool:
     """May matrix ``i`` run as a team?  Its pieces are contiguous ranges (a tensor-parallel column
-    block is not: :class:`~ds_muon.engine.plan.team.TeamExchange` cuts ranges), and it iterates the standard way
-    (the Gram iteration keeps its own m×m state), eagerly."""
+    block is not: :class:`~ds_muon.engine.plan.team.TeamExchange` cuts ranges), it runs eagerly, and its
+    iteration is the standard one or ``"auto"``'s to choose: a team iterates the standard way, so a matrix
+    ``"auto"`` would give the Gram iteration at one home is teamed where the cost model finds the team's
+    step shorter than Gram's at one home (:func:`~.team_plan.plan_teams` costs the home at the method it
+    resolves to); a pinned ``ns_method="gram"`` keeps its iteration (and its home)."""
     info = layout.matrices[i]
     method = resolve_method(ns.method, info.rows, info.cols, ns.steps, ns.dtype, ns.device_type)
-    return (method == "standard" and not ns.compile
+    return ((method == "standard" or ns.method == "auto") and not ns.compile
             and all(p is None or p.numel == 0 or p.contiguous for p in info.pieces))
 
 

@@ -9,7 +9,8 @@ A cell is ``Cell(door, stage, form, variant)``:
   (a ``"type": "DsMuon"`` DeepSpeed config entry), ``helper`` (``MuonTrainer(muon_settings=...)``);
 * variant: ``plain``, ``accumulation`` (2 micro-batches a step), ``clipping`` (a norm bound that binds
   every step), ``resume`` (checkpoint after half the steps, a fresh model of another seed resumed from it),
-  ``evaluation`` (an evaluation every 2 steps, which must change nothing).
+  ``evaluation`` (an evaluation every 2 steps, which must change nothing), ``accumulation+resume`` (both: the
+  resumed run's loop must restart on an accumulation boundary).
 
 Every rank sees the same batches, so the averaged gradient is the one-process gradient and a cell is
 bitwise unless the stack rounds differently; :data:`EXPECT` says which cells are compared within a
@@ -42,7 +43,12 @@ ENTRY_PARAMS = dict(SETTINGS, ns_dtype="float32", log_summary=False)
 
 DOORS = ("lightning", "fabric", "hf_trainer", "accelerate")
 STAGES = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "zero3_hooks")
-VARIANTS = ("plain", "accumulation", "clipping", "resume", "evaluation")
+VARIANTS = ("plain", "accumulation", "clipping", "resume", "evaluation", "accumulation+resume")
+
+
+def has(cell: "Cell", part: str) -> bool:
+    """Whether the cell's variant includes ``part`` (a variant may combine parts: ``accumulation+resume``)."""
+    return part in cell.variant.split("+")
 
 
 class Cell(NamedTuple):
@@ -76,7 +82,8 @@ def variants(door: str, stage: str) -> tuple:
     """The variants a door has at a stage (Fabric has no evaluation loop of its own; under DeepSpeed
     Fabric leaves accumulation to the engine's config, which its docs do not show)."""
     if door == "fabric":
-        return ("plain", "clipping", "resume") + (("accumulation",) if not stage.startswith("zero") else ())
+        return ("plain", "clipping", "resume") + (("accumulation", "accumulation+resume")
+                                                  if not stage.startswith("zero") else ())
     return VARIANTS
 
 
@@ -214,12 +221,38 @@ def deepspeed_config(stage: str, entry: bool, micro_batch: int = 1, clip=None) -
 
 
 # -- Lightning Trainer ----------------------------------------------------------------------------
+class ResumableLoader(torch.utils.data.DataLoader):
+    """The micro-batch numbers, resumable the way Lightning resumes a loader mid-epoch (its ``_Stateful``
+    protocol: ``state_dict``/``load_state_dict``, saved in the checkpoint): the state is how many batches the
+    loop consumed (``consumed``, counted by the module; the fetcher's prefetch runs ahead of it), and a loaded
+    one skips them.  Handed a plain loader of only the unseen batches instead, Lightning counts the restored
+    batch index against that loader's length and ends the epoch early (docs/LIGHTNING.md, "Resume")."""
+
+    def __init__(self, total: int):
+        super().__init__(torch.arange(total).view(-1, 1), batch_size=1)
+        self.consumed, self._skip = 0, 0
+
+    def __iter__(self):
+        it, skip = super().__iter__(), self._skip
+        self._skip = 0
+        for k, batch in enumerate(it):
+            if k >= skip:
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skip = self.consumed = state["consumed"]
+
+
 def _lightning_module(cell: Cell, seed: int):
+    """The Trainer's module; its loader hands the micro-batch numbers (:class:`ResumableLoader`)."""
     import lightning as L
 
     import ds_muon
 
-    m = MICRO if cell.variant == "accumulation" else 1
+    m = MICRO if has(cell, "accumulation") else 1
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -232,7 +265,8 @@ def _lightning_module(cell: Cell, seed: int):
                 fsdp2_layers(self.net, self.device_mesh["data_parallel"])
 
         def training_step(self, batch, batch_idx):
-            return loss_of(self.net, micro_batch(self.global_step, batch_idx % m, m))
+            self.loader.consumed += 1
+            return loss_of(self.net, BATCHES[int(batch.reshape(-1)[0])])
 
         def validation_step(self, batch, batch_idx):
             loss = loss_of(self.net, batch[0])
@@ -245,7 +279,8 @@ def _lightning_module(cell: Cell, seed: int):
             return ds_muon.Muon(ds_muon.muon_param_groups(self, **SETTINGS), **MUON_KW)
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.zeros(4 * STEPS * m, 1), batch_size=1)
+            self.loader = ResumableLoader(STEPS * m)
+            return self.loader
 
         def val_dataloader(self):
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.stack(EVAL)), batch_size=None)
@@ -272,7 +307,7 @@ def _lightning_fit(cell: Cell, seed: int, steps: int, ckpt: Optional[str], save:
     import lightning as L
 
     kw = {}
-    if cell.variant == "accumulation":
+    if has(cell, "accumulation"):
         kw["accumulate_grad_batches"] = MICRO
     if cell.variant == "clipping" and cell.form != "entry":
         kw["gradient_clip_val"] = CLIP
@@ -292,7 +327,7 @@ def _lightning_fit(cell: Cell, seed: int, steps: int, ckpt: Optional[str], save:
 
 
 def run_lightning(cell: Cell, tmp: str) -> dict:
-    if cell.variant == "resume":
+    if has(cell, "resume"):
         ckpt = os.path.join(tmp, cell.name + ".ckpt")
         _lightning_fit(cell, 0, STEPS // 2, None, ckpt)
         trainer, module = _lightning_fit(cell, 1, STEPS, ckpt, None)
@@ -329,7 +364,7 @@ def _fabric_run(cell: Cell, seed: int, ckpt: str, part: str) -> dict:
         optimizer = fabric.setup_optimizers(ds_muon.Muon(ds_muon.muon_param_groups(model, **SETTINGS), **MUON_KW))
     else:
         model, optimizer = fabric.setup(net, ds_muon.Muon(ds_muon.muon_param_groups(net, **SETTINGS), **MUON_KW))
-    m = MICRO if cell.variant == "accumulation" else 1
+    m = MICRO if has(cell, "accumulation") else 1
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if part == "second":
         fabric.load(ckpt, state)
@@ -349,7 +384,7 @@ def _fabric_run(cell: Cell, seed: int, ckpt: str, part: str) -> dict:
 
 
 def run_fabric(cell: Cell, tmp: str) -> dict:
-    if cell.variant == "resume":
+    if has(cell, "resume"):
         ckpt = os.path.join(tmp, cell.name)
         _fabric_run(cell, 0, ckpt, "first")
         return _fabric_run(cell, 1, ckpt, "second")
@@ -387,7 +422,7 @@ def _hf_trainer(cell: Cell, seed: int, out_dir: str, steps: int, save_steps: Opt
         def _get_eval_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.eval_dataset)
 
-    m = MICRO if cell.variant == "accumulation" else 1
+    m = MICRO if has(cell, "accumulation") else 1
     stack = {}
     if cell.stage == "fsdp2":
         stack = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
@@ -419,7 +454,7 @@ def run_hf_trainer(cell: Cell, tmp: str) -> dict:
 
     out_dir = os.path.join(tmp, cell.name)
     fresh()
-    if cell.variant == "resume":
+    if has(cell, "resume"):
         _hf_trainer(cell, 0, out_dir, STEPS, STEPS // 2).train()  # the straight run writes checkpoint-STEPS//2
         fresh()
         trainer = _hf_trainer(cell, 1, out_dir + "_resumed", STEPS, None)
@@ -449,8 +484,7 @@ def _accelerate_env(cell: Cell, tmp: str) -> dict:
     if path:
         with open(path) as f:
             cfg = json.load(f)
-        cfg.update(train_micro_batch_size_per_gpu=ROWS, gradient_accumulation_steps=MICRO if cell.variant ==
-                   "accumulation" else 1, gradient_clipping=CLIP if cell.variant == "clipping" else 0.0)
+        cfg.update(train_micro_batch_size_per_gpu=ROWS, gradient_accumulation_steps=MICRO if has(cell, "accumulation") else 1, gradient_clipping=CLIP if cell.variant == "clipping" else 0.0)
         if cell.stage == "zero3":
             cfg["zero_optimization"]["leaf_module"] = {"classes": [_decoder_class().__name__]}
         if cell.form == "optimizer":  # a Muon of one's own: the config without the DsMuon entry (prepare refuses both)
@@ -467,7 +501,7 @@ def _accelerate_run(cell: Cell, seed: int, ckpt: str, part: str) -> dict:
     from ds_muon.accelerate import Accelerator, prepare
     from test_front_doors import _fresh_accelerate
 
-    m = MICRO if cell.variant == "accumulation" else 1
+    m = MICRO if has(cell, "accumulation") else 1
     _fresh_accelerate(_accelerate_env(cell, os.path.dirname(ckpt)))
     accelerator = Accelerator(gradient_accumulation_steps=m)
     model = make_model(seed, cell)
@@ -499,7 +533,7 @@ def _accelerate_run(cell: Cell, seed: int, ckpt: str, part: str) -> dict:
 
 def run_accelerate(cell: Cell, tmp: str) -> dict:
     ckpt = os.path.join(tmp, cell.name)
-    if cell.variant == "resume":
+    if has(cell, "resume"):
         _accelerate_run(cell, 0, ckpt, "first")
         return _accelerate_run(cell, 1, ckpt, "second")
     return _accelerate_run(cell, 0, ckpt, "all")
@@ -540,7 +574,9 @@ def max_relative(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) ->
 def judge(cell: Cell, per_rank: list, refs: Dict[tuple, dict]) -> tuple:
     """``(held, detail)`` of one cell against the one-process run."""
     tol, why = expectation(cell)
-    want = refs[(cell.door == "hf_trainer", "plain" if cell.variant in ("resume", "evaluation") else cell.variant)]
+    base = "accumulation" if has(cell, "accumulation") else "plain" if cell.variant in ("resume", "evaluation") \
+        else cell.variant
+    want = refs[(cell.door == "hf_trainer", base)]
     worst, bitwise = 0.0, True
     for r in per_rank:
         if "error" in r:

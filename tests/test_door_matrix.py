@@ -21,6 +21,7 @@ pytest.importorskip("deepspeed")
 import door_matrix as dm  # noqa: E402
 
 MUST = (dm.Cell("lightning", "zero3", "optimizer", "plain"), dm.Cell("lightning", "zero3", "optimizer", "resume"),
+        dm.Cell("lightning", "zero3", "optimizer", "accumulation+resume"),  # issue 51
         dm.Cell("lightning", "zero3_hooks", "optimizer", "plain"),
         dm.Cell("hf_trainer", "zero3", "helper", "evaluation"))
 

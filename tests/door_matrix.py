@@ -246,8 +246,14 @@ class ResumableLoader(torch.utils.data.DataLoader):
         self._skip = self.consumed = state["consumed"]
 
 
-def _lightning_module(cell: Cell, seed: int):
-    """The Trainer's module; its loader hands the micro-batch numbers (:class:`ResumableLoader`)."""
+# DS_MUON_DOORS_UNSEEN_LOADER=1: a resumed Trainer gets a plain loader of only the batches it has not seen
+# instead (what issue 51 did: Lightning cannot resume it exactly; docs/LIGHTNING.md, "Resume mid-epoch")
+UNSEEN_LOADER = os.environ.get("DS_MUON_DOORS_UNSEEN_LOADER") == "1"
+
+
+def _lightning_module(cell: Cell, seed: int, unseen_from: Optional[int] = None):
+    """The Trainer's module; its loader hands the micro-batch numbers (:class:`ResumableLoader`; from
+    ``unseen_from`` on in a plain loader under :data:`UNSEEN_LOADER`)."""
     import lightning as L
 
     import ds_muon
@@ -266,6 +272,8 @@ def _lightning_module(cell: Cell, seed: int):
 
         def training_step(self, batch, batch_idx):
             self.loader.consumed += 1
+            if UNSEEN_LOADER:
+                print(f"door matrix: seed {seed} step {self.global_step} batch {int(batch.reshape(-1)[0])}", flush=True)
             return loss_of(self.net, BATCHES[int(batch.reshape(-1)[0])])
 
         def validation_step(self, batch, batch_idx):
@@ -280,6 +288,8 @@ def _lightning_module(cell: Cell, seed: int):
 
         def train_dataloader(self):
             self.loader = ResumableLoader(STEPS * m)
+            if UNSEEN_LOADER:  # plain loaders, the resumed one from the first batch it has not seen
+                return torch.utils.data.DataLoader(torch.arange(unseen_from or 0, STEPS * m).view(-1, 1), batch_size=1)
             return self.loader
 
         def val_dataloader(self):
@@ -318,7 +328,8 @@ def _lightning_fit(cell: Cell, seed: int, steps: int, ckpt: Optional[str], save:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_lightning_strategy(cell), max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, **kw)
-    module = _lightning_module(cell, seed)
+    module = _lightning_module(cell, seed, unseen_from=(STEPS // 2) * kw.get("accumulate_grad_batches", 1) if ckpt
+                               else None)
     trainer.fit(module, ckpt_path=ckpt)
     if save:
         trainer.save_checkpoint(save)

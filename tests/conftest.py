@@ -43,6 +43,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"opt-in, DS_MUON_FULL_SUITE=1 ({why})"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _stress_load():
+    """The stress mode's busy processes beside the whole session (tests/stress.py; none unless asked)."""
+    import stress
+
+    with stress.load():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _leaves_global_state_as_found(request):
     """Fail a test that leaves process-wide state (threads, dtypes, numerics switches, ds_muon's pins, the

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import global_state
+import stress
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ def _join(rank, world, port, env):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    torch.set_num_threads(stress.RANK_THREADS)  # 1 unless the stress mode asks for more (tests/stress.py)
     be = backend()
     if be == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -137,7 +138,7 @@ def _collect(out, procs, world_size, timeout, unpack):
 
 def _fresh_call_state(rank):
     """What a test can see of earlier calls in a pooled rank, put back as a fresh rank has it."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(stress.RANK_THREADS)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     accelerate_state = sys.modules.get("accelerate.state")

@@ -17,6 +17,7 @@ the rows and columns of the matrix it applies, and which pick matrices of a stac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -193,8 +194,7 @@ class _Recorder(TorchFunctionMode):
         if name in _SAME and all(tuple(o.shape) == tuple(first.shape) for o in outs):
             views = [fi.view] * len(outs)
         elif all(views_into(o, first) for o in outs):
-            views = [replay(func, args, kwargs, first, fi.view, len(outs))] * 1
-            views = views[0] if views[0] is not None else [None] * len(outs)
+            views = replay(func, args, kwargs, first, fi.view, len(outs)) or [None] * len(outs)
         elif name == "__getitem__" and tensor_index(args):
             # W[idx]: rows picked (a copy); of a stack, its matrices per token or expert, last two axes as stored
             stack = len(self.shapes[fi.param]) >= 3
@@ -254,8 +254,7 @@ class _Recorder(TorchFunctionMode):
             else:  # W x
                 eq, ranks, k = ("oi,i->o" if data.ndim == 1 else "oi,...in->...on"), [2, data.ndim], 0
             self._read(u, eq, ranks, k, wi, wi.param)
-            if di.raw:
-                u.input_layer = True
+            u.input_layer |= di.raw
             self.put(out if isinstance(out, torch.Tensor) else None,
                      _Info(weighted=True, last=frozenset({wi.param})))
             return op
@@ -265,10 +264,8 @@ class _Recorder(TorchFunctionMode):
             u.stored_in_out = stored if u.stored_in_out is None else (u.stored_in_out if u.stored_in_out == stored
                                                                        else None)
         u.experts = u.experts or len(shape) >= 3 and op != "conv"
-        if di.raw:
-            u.input_layer = True
-        if di.pooled:
-            u.pooled_input = True
+        u.input_layer |= di.raw
+        u.pooled_input |= di.pooled
         o = out if isinstance(out, torch.Tensor) else None
         if o is None:
             return op
@@ -373,23 +370,18 @@ class _Recorder(TorchFunctionMode):
 
     # -- the end
     def _write(self, dst: torch.Tensor, infos: Sequence[_Info]) -> None:
-        """``dst[idx] = value`` returns nothing: the destination (and the tensor it is a view of) is its output,
-        carrying the writers' weights beside its own as a concatenation does (a decoder that writes each chunk's
-        output into one buffer returns that buffer), its feature companion unchanged."""
-        for t in (dst, dst._base):
-            if t is None:
-                continue
+        """``dst[idx] = value`` returns nothing: the destination (and what it is a view of) is its output, with the
+        writers' weights beside its own, as a concatenation's (a decoder writing its chunks into one buffer)."""
+        for t in [t for t in (dst, dst._base) if t is not None]:
             held = self.get(t)
             sets = [i for i in infos if i.last or i.weighted] + [held]
-            self.put(t, _Info(raw=held.raw and not any(i.weighted for i in infos), weighted=any(i.weighted for i in sets),
-                              last=_provenance("__setitem__", sets), comp=held.comp, pooled=held.pooled,
-                              param=held.param, view=held.view, gathered=held.gathered))
+            weighted = any(i.weighted for i in sets)
+            self.put(t, dataclasses.replace(held, raw=held.raw and not weighted, weighted=weighted,
+                                            last=_provenance("__setitem__", sets)))
 
     def finish(self, outputs: Sequence[torch.Tensor]) -> Dict[str, Use]:
-        for t in outputs:
-            for p in self.get(t).last:
-                if p in self.uses:
-                    self.use(p).head = True
+        for p in {p for t in outputs for p in self.get(t).last} & set(self.uses):
+            self.use(p).head = True
         for pname, blocks in output_blocks(self.uses, self.pieces, self.sources, self.rejoined, self.mixed).items():
             self.uses[pname].blocks = blocks
         return self.uses
@@ -402,8 +394,6 @@ def _provenance(name: str, infos: Sequence[_Info]) -> frozenset:
     multiplies the outputs of different weights together (:data:`_MIXING`: a residual stream, attention
     scores), which no single weight produced."""
     sets = [i.last for i in infos if i.last or i.weighted]
-    if not sets:
-        return frozenset()
-    if name in _MIXING and len(set(sets)) > 1:
+    if not sets or name in _MIXING and len(set(sets)) > 1:
         return frozenset()
     return frozenset().union(*sets)

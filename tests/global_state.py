@@ -3,7 +3,7 @@ read before and after each test by ``conftest.py`` and each pooled call by ``dis
 the test that made it instead of changing the bits of whichever test runs next.
 
 What is read: torch's numerics switches (threads, default dtype and device, deterministic algorithms, matmul
-precision, oneDNN, TF32, grad and anomaly modes), ds_muon's own per-process pins (NS kernel forms, chunk
+precision, oneDNN, TF32 and the fp32_precision switches, grad and anomaly modes), ds_muon's own per-process pins (NS kernel forms, chunk
 budget, what ``ns_dtype="auto"`` means), an initialised process group in the test process, and the
 environment (``ACCELERATE_*``, ``RANK`` ... as much as ``OMP_NUM_THREADS``): all of it but pytest's own key.
 """
@@ -40,6 +40,13 @@ def snapshot(env: bool = True) -> Dict[str, object]:
         "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
         "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
     }
+    # torch 2.9's precision switches (transformers' enable_tf32 sets the first: on CPU, oneDNN matmuls in tf32/bf16)
+    for path in ("fp32_precision", "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision",
+                 "mkldnn.conv.fp32_precision", "cuda.matmul.fp32_precision"):
+        obj = torch.backends
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        s[f"torch.backends.{path}"] = obj
     s["kernel bits (bf16/fp32 products and NS on fixed inputs)"] = kernel_bits()
     # the kernel forms and chunk budget in effect (table, calibration, pins): what the step's agreement compares
     s["ds_muon.rules.ns_kernels.fingerprint()"] = ns_kernels.fingerprint()

@@ -87,12 +87,15 @@ _MIXING = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "
 # rearranges the elements as the view would, so an output's feature companion follows it all the same.
 _RESHAPES = {"reshape", "reshape_as", "flatten"}
 _PIECES = {"chunk", "split", "unbind", "tensor_split", "split_with_sizes", "__getitem__", "narrow", "select"}
+# Copies that rearrange a parameter's elements (a learned query table repeated per batch): still the weight where a
+# matrix op applies it, its layout unknown.  (A list: no property of an op tells a rearrangement from a function.)
+_COPIES = {"repeat", "tile", "repeat_interleave", "index_select", "gather", "take", "take_along_dim", "flip", "roll"}
 _UNARY = {"neg", "__neg__", "silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "exp", "clamp", "clip", "abs",
           "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid", "relu6", "square", "sqrt", "rsqrt", "log",
           "sin", "cos", "pow", "__pow__", "silu_", "relu_", "gelu_", "sigmoid_", "tanh_", "clamp_", "float_power"}
 _LINEAR_BIN = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
-_PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__",
-                "__itruediv__", "div_", "true_divide"}
+_PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
+                "div_", "true_divide"}
 _CAT = {"cat", "concat", "concatenate", "stack"}
 _POOLS = {"mean", "sum", "amax", "amin", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
           "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
@@ -116,14 +119,11 @@ class _Recorder(TorchFunctionMode):
     def get(self, t) -> _Info:
         if not isinstance(t, torch.Tensor):
             return _Info()
-        i = self.info.get(id(t))
-        if i is not None:
-            return i
-        if id(t) in self.params:
-            name = self.params[id(t)]
-            shape = self.shapes[name]
-            return _Info(param=name, view=(tuple(shape), row_major(shape), 0))
-        return _Info()
+        if id(t) in self.info:
+            return self.info[id(t)]
+        name = self.params.get(id(t))
+        shape = self.shapes.get(name, ())
+        return _Info() if name is None else _Info(param=name, view=(tuple(shape), row_major(shape), 0))
 
     def put(self, t, info: _Info):
         if isinstance(t, torch.Tensor):
@@ -193,7 +193,7 @@ class _Recorder(TorchFunctionMode):
         sit in the stored tensor (the view algebra: the op replayed on a meta tensor of the same strides)."""
         if name in _SAME and all(tuple(o.shape) == tuple(first.shape) for o in outs):
             views = [fi.view] * len(outs)
-        elif all(views_into(o, first) for o in outs):
+        elif name in _COPIES or all(views_into(o, first) for o in outs):  # (a copy replays to None: layout unknown)
             views = replay(func, args, kwargs, first, fi.view, len(outs)) or [None] * len(outs)
         elif name == "__getitem__" and tensor_index(args):
             # W[idx]: rows picked (a copy); of a stack, its matrices per token or expert, last two axes as stored

@@ -9,8 +9,8 @@ other thread counts, opt-in:
     DS_MUON_STRESS_LOAD=2 python -m pytest tests -k "single_process or one_process or bitwise or parity or equals"
 
 A kernel whose bits followed the load (a blocking or an algorithm picked by timing) would fail under the
-load; one whose bits follow the thread count fails under the second.  docs/ADVANCED.md, "Bitwise", has what
-each held.
+load; one whose bits follow the thread count fails under the second.  docs/ADVANCED.md, "Bitwise: under load
+and at other thread counts", has what each held.
 """
 
 from __future__ import annotations

@@ -59,6 +59,31 @@ def test_bitwise_torch_optim_muon_iteration(shape):
         assert torch.equal(ds_muon.newton_schulz(G).contiguous(), _zeropower_via_newtonschulz(G, KELLER, 5, 1e-7))
 
 
+def test_a_transposed_view_gets_the_stored_matrix_products():
+    """Generated shapes (small, where CPU GEMMs take layout-dependent paths, and large), bf16 and fp32:
+    NS of ``H.mT`` is NS(H)ᵀ bit for bit, and torch.optim.Muon's on the view (its cast keeps the strides).
+    A model stores a weight [in, out] and its update is NS of the [out, in] view; before, NS copied the view
+    into its own layout and on the Intel AMX box 2 of 6 einsum weights moved 1 ulp off the stored-layout
+    products the optimizer runs (test_map_rules)."""
+    import random
+
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    rng, failed = random.Random(5), []
+    shapes = [(rng.randint(2, 40), rng.randint(2, 40)) for _ in range(16)] + [(96, 256), (256, 96)]
+    shapes = [s for s in shapes if s[0] != s[1]]  # (a square view keeps its orientation: _transposed_view)
+    with dist_harness.one_thread():
+        for k, (r, c) in enumerate(shapes):
+            H = torch.randn(r, c, generator=torch.Generator().manual_seed(k))
+            for dtype in (torch.float32, torch.bfloat16):
+                got = ds_muon.newton_schulz(H.mT, dtype=dtype)
+                if not torch.equal(got, ds_muon.newton_schulz(H, dtype=dtype).mT):
+                    failed.append((r, c, dtype))
+            if not torch.equal(ds_muon.newton_schulz(H.mT), _zeropower_via_newtonschulz(H.mT, KELLER, 5, 1e-7)):
+                failed.append((r, c, "torch"))
+    assert not failed, failed
+
+
 def test_batched_equals_one_by_one():
     with dist_harness.one_thread():
         G = torch.randn(5, 20, 36)

@@ -117,6 +117,15 @@ def newton_schulz(
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
     if method not in NS_METHODS:
         raise ValueError(f"ns_method={method!r} is unknown; use one of {list(NS_METHODS)}")
+    if _transposed_view(G) and not _compiling():
+        # the matrix as it is stored: NS(Hᵀ) computed as NS(H)ᵀ, the products H's own layout meets, as
+        # torch.optim.Muon's (its cast keeps strides).  On Intel's MKL a small matrix's products round
+        # otherwise through a transposed view (1 ulp on an einsum model's [in, out] weight, test_map_rules)
+        H = newton_schulz(G.mT, steps, coefficients, dtype, eps, method, max_chunk=max_chunk)
+        if out is None:
+            return H.mT
+        _out3(out, H.reshape(-1, *H.shape[-2:]), H.dtype)  # checked as any out
+        return out.view(G.shape).copy_(H.mT)
     per_step, norm_scale = resolve_coefficients(coefficients, steps)
     out_dtype = compute_dtype(method, dtype)
     method = resolve_method(method, G.size(-2), G.size(-1), steps, dtype, G.device.type)
@@ -157,6 +166,13 @@ def newton_schulz(
         if X.data_ptr() != dest.data_ptr() or X.stride() != dest.stride():
             dest.copy_(X)  # tall (one transposing copy), Gram, a wider result, or no steps
     return out if out is not None else out3.reshape(*batch_shape, rows, cols)
+
+
+def _transposed_view(G: torch.Tensor) -> bool:
+    """``G`` is the transpose of contiguous non-square matrices (``H.mT``), not itself contiguous.  (A square
+    one is copied rows-contiguous, as before: NS keeps a square matrix's orientation, so NS(H)ᵀ would run
+    HHᵀ where the view's products are HᵀH.)"""
+    return G.size(-1) != G.size(-2) and min(G.shape[-2:]) > 1 and not G.is_contiguous() and G.mT.is_contiguous()
 
 
 def _out3(out: torch.Tensor, G3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -310,28 +326,53 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
     halves the error.  fp32 runs straight through.
     """
     restart_every = _restart_interval(X.dtype, len(per_step))
+    bmm, baddbmm = (_per_matrix_bmm, _per_matrix_baddbmm) if _batch_sensitive(X) else (torch.bmm, torch.baddbmm)
     b_, m, _ = X.shape
     eye = torch.eye(m, dtype=X.dtype, device=X.device).expand(b_, m, m)
     square = [aligned_stack(b_, m, m, X.dtype, X.device) for _ in range(5)]  # every product reads aligned matrices
     R, Z, T, Qs = square[0], square[1], square[2], square[3:]
-    torch.bmm(X, X.mT, out=R)
+    bmm(X, X.mT, out=R)
     Q = None
     for k, (a, b, c) in enumerate(per_step):
         if k and k % restart_every == 0 and Q is not None:
-            X = torch.bmm(Q, X, out=aligned_stack(*X.shape, X.dtype, X.device))
-            torch.bmm(X, X.mT, out=R)
+            X = bmm(Q, X, out=aligned_stack(*X.shape, X.dtype, X.device))
+            bmm(X, X.mT, out=R)
             Q = None
         # Z = aI + bR + cR²; the sum aI + B cancels heavily, so it is formed in one rounding
         base = torch.add(R, eye, alpha=a / b).mul_(b) if b else eye * a
         if c:
-            torch.baddbmm(base, R, R, alpha=c, out=Z)
+            baddbmm(base, R, R, alpha=c, out=Z)
         else:  # no product for c = 0 (torch 2.13's CPU baddbmm(alpha=0) is wrong in bf16/fp16: ns_kernels.poly)
             Z.copy_(base)
-        Q = Qs[0].copy_(Z) if Q is None else torch.bmm(Z, Q, out=Qs[1] if Q is Qs[0] else Qs[0])
+        Q = Qs[0].copy_(Z) if Q is None else bmm(Z, Q, out=Qs[1] if Q is Qs[0] else Qs[0])
         if k + 1 < len(per_step):
-            torch.bmm(Z, R, out=T)
-            torch.bmm(T, Z, out=R)
-    return torch.bmm(Q, X) if Q is not None else X
+            bmm(Z, R, out=T)
+            bmm(T, Z, out=R)
+    return bmm(Q, X) if Q is not None else X
+
+
+def _batch_sensitive(X: torch.Tensor) -> bool:
+    """CPU fp16 batched products round a matrix by its batch neighbours (Intel AMX, torch 2.13: 3 of 209
+    drawn matrices of Gram stacks differed from the same matrix alone; per matrix 0 of 209), so a sharded
+    fp16 Gram step would not be the one-process step there; one product per matrix has no neighbours (the
+    standard iteration's fp16 forms: ``ns_kernels.choice``).  bf16 and fp32 stacks keep their bits; fp16
+    Gram on a CPU is opt-in (``ns_method="gram"`` with bf16) and runs at fp32's time anyway."""
+    return X.dtype == torch.float16 and X.device.type == "cpu" and not _compiling()
+
+
+def _per_matrix_bmm(A: torch.Tensor, B: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(A.size(0), A.size(1), B.size(2), dtype=A.dtype, device=A.device)
+    for a, b, o in zip(A, B, out):
+        torch.mm(a, b, out=o)
+    return out
+
+
+def _per_matrix_baddbmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *, alpha: float,
+                        out: torch.Tensor) -> torch.Tensor:
+    for c, a, b, o in zip(C, A, B, out):
+        torch.addmm(c, a, b, alpha=alpha, out=o)
+    return out
 
 
 _compiled: dict = {}  # (matrix shape, dtypes, settings) -> newton_schulz under torch.compile

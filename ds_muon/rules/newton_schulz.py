@@ -326,7 +326,8 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
     halves the error.  fp32 runs straight through.
     """
     restart_every = _restart_interval(X.dtype, len(per_step))
-    bmm, baddbmm = (_per_matrix_bmm, _per_matrix_baddbmm) if _batch_sensitive(X) else (torch.bmm, torch.baddbmm)
+    batched = _compiling() or not ns_kernels.batch_sensitive(X)
+    bmm, baddbmm = (torch.bmm, torch.baddbmm) if batched else (ns_kernels.per_matrix_bmm, ns_kernels.per_matrix_baddbmm)
     b_, m, _ = X.shape
     eye = torch.eye(m, dtype=X.dtype, device=X.device).expand(b_, m, m)
     square = [aligned_stack(b_, m, m, X.dtype, X.device) for _ in range(5)]  # every product reads aligned matrices
@@ -349,30 +350,6 @@ def _gram_iteration(X: torch.Tensor, per_step) -> torch.Tensor:
             bmm(Z, R, out=T)
             bmm(T, Z, out=R)
     return bmm(Q, X) if Q is not None else X
-
-
-def _batch_sensitive(X: torch.Tensor) -> bool:
-    """CPU fp16 batched products round a matrix by its batch neighbours (Intel AMX, torch 2.13: 3 of 209
-    drawn matrices of Gram stacks differed from the same matrix alone; per matrix 0 of 209), so a sharded
-    fp16 Gram step would not be the one-process step there; one product per matrix has no neighbours (the
-    standard iteration's fp16 forms: ``ns_kernels.choice``).  bf16 and fp32 stacks keep their bits; fp16
-    Gram on a CPU is opt-in (``ns_method="gram"`` with bf16) and runs at fp32's time anyway."""
-    return X.dtype == torch.float16 and X.device.type == "cpu" and not _compiling()
-
-
-def _per_matrix_bmm(A: torch.Tensor, B: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if out is None:
-        out = torch.empty(A.size(0), A.size(1), B.size(2), dtype=A.dtype, device=A.device)
-    for a, b, o in zip(A, B, out):
-        torch.mm(a, b, out=o)
-    return out
-
-
-def _per_matrix_baddbmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *, alpha: float,
-                        out: torch.Tensor) -> torch.Tensor:
-    for c, a, b, o in zip(C, A, B, out):
-        torch.addmm(c, a, b, alpha=alpha, out=o)
-    return out
 
 
 _compiled: dict = {}  # (matrix shape, dtypes, settings) -> newton_schulz under torch.compile

@@ -23,6 +23,9 @@ def to_device_of(params: List[torch.Tensor], results: List[torch.Tensor]) -> Lis
     return [r.to(p.device) for p, r in zip(params, results)]
 
 
+ONE_CALL_NUMEL = 1 << 14  # pieces from this size take a call of their own (ns_input's Nesterov)
+
+
 def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[torch.Tensor], group: dict,
              commit: bool = True, out: Optional[List[torch.Tensor]] = None, only: Optional[List[int]] = None
              ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
@@ -57,8 +60,16 @@ def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[t
     if not grads:
         return [], new
     if out is not None:
-        torch._foreach_copy_(out, grads)
-        torch._foreach_lerp_(out, wanted, group["momentum"])
+        # large pieces: one lerp each straight into ``out`` (one pass, where a copy then an in-place lerp made
+        # two: 1.6 of the wide bank's 47 ms on the Intel AMX box); small ones: two foreach calls, not one call
+        # each.  The same lerp of the same operands either way, so the same bits
+        small = [k for k, g in enumerate(grads) if g.numel() < ONE_CALL_NUMEL]
+        for k, (o, g, w) in enumerate(zip(out, grads, wanted)):
+            if g.numel() >= ONE_CALL_NUMEL:
+                torch.lerp(g, w, group["momentum"], out=o)
+        if small:
+            torch._foreach_copy_([out[k] for k in small], [grads[k] for k in small])
+            torch._foreach_lerp_([out[k] for k in small], [wanted[k] for k in small], group["momentum"])
         return out, new
     return list(torch._foreach_lerp(grads, wanted, group["momentum"])), new
 

@@ -28,7 +28,21 @@ import torch
 
 FLOOR_BYTES = 4 << 20  # waves and NS chunks this small are never split (a 1 MiB floor cut the demo GPT's step into 9 NS calls and ran it 1.28x torch.optim.Muon's CPU time; 4 MiB: 4 calls, 0.92-0.94x: docs/PERFORMANCE.md)
 STATE_FRACTION = 32  # a wave may hold 1/32 of all matrices' bytes (NS workspace ~3x: < 10 % of the state)
-NS_WORKSPACE = 5  # NS temporaries of a chunk, in its input's elements (normalised X, A and B, two X buffers)
+
+
+def ns_workspace_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """What NS holds per matrix of a chunk besides its input, in ``dtype``: the standard iteration's cast
+    and two X buffers (m·n each) with A and B (m², m the short side), or the Gram iteration's five m²
+    and two m·n, whichever is more; an fp16 iteration's cast is fp32 (``newton_schulz.input_dtype``).
+    (Counted before in the stack's dtype, 5 m·n of fp32 for a bf16 NS: twice too much, so a 256×1024
+    stack ran one matrix per NS call, 1.08-1.20x torch's time where two per call took 0.92-1.06x.)"""
+    from ...rules.newton_schulz import input_dtype
+
+    rows, cols = shape
+    long, short = max(rows, cols), min(rows, cols)
+    elements = max(3 * long * short + 2 * short * short, 2 * long * short + 5 * short * short)
+    cast_extra = long * short * (input_dtype(dtype).itemsize - dtype.itemsize)
+    return elements * dtype.itemsize + cast_extra
 
 
 def budget_bytes(matrix_bytes: Sequence[int]) -> int:
@@ -68,8 +82,7 @@ class ChunkedNS:
         return self.ns.dtype
 
     def chunk(self, stack: torch.Tensor) -> int:
-        per = stack[0].numel() * NS_WORKSPACE * max(stack.element_size(), self.ns.dtype.itemsize) if len(stack) else 1
-        return max(1, self.budget // per)
+        return max(1, self.budget // ns_workspace_bytes(stack.shape[-2:], self.ns.dtype)) if len(stack) else 1
 
     def run(self, stack: torch.Tensor) -> torch.Tensor:
         out_dtype = self.ns.dtype

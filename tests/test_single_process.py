@@ -49,6 +49,34 @@ def test_matches_torch_muon(nesterov, wd):
         assert torch.equal(pa, pb), name  # the same bf16 iteration, the same bits
 
 
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_nesterov_written_into_the_home_stack_changes_no_bit(ns_dtype, monkeypatch):
+    """Where the home stack has the gradients' dtype, the Nesterov input is written there directly
+    (``Exchange.home_destinations``; bf16 stacks are cast on the copy instead): 4 steps equal, bit for bit,
+    the same steps with every input copied in from the kept buffer."""
+    from ds_muon.engine.exchange import all_to_all
+
+    seen = []
+    real = all_to_all.Exchange.home_destinations
+
+    def counted(self):
+        out = real(self)
+        seen.append(len(out))
+        return out
+
+    def run(destinations):
+        monkeypatch.setattr(all_to_all.Exchange, "home_destinations", counted if destinations else (lambda self: {}))
+        with dist_harness.one_thread():
+            model = mlp()
+            opt = ds_muon.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02, ns_dtype=ns_dtype)
+            train(model, [opt])
+        return [p.detach().clone() for p in model.parameters()]
+
+    direct, copied = run(True), run(False)
+    assert seen and all(n == 3 for n in seen)  # each of the 3 matrices has a destination
+    assert all(torch.equal(a, b) for a, b in zip(direct, copied))
+
+
 def test_adamw_groups_bitwise_equal_torch_adamw():
     a, b = mlp(), mlp()
     groups = ds_muon.muon_param_groups(a, lr=0.02, adam_lr=1e-3, adam_weight_decay=0.05)

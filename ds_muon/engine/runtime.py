@@ -356,7 +356,9 @@ class StepRuntime:
         pieces = self.pieces_of(j.layout, j.exchange)
         parts = pieces.parts(getattr(j.exchange, "memory_budget", None))  # (a team's exchange: none)
         if len(parts) == 1:
-            pending = j.exchange.gather_start(self.wave_inputs(j.layout, j.exchange)[0])
+            into = j.exchange.home_destinations() if hasattr(j.exchange, "home_destinations") else None
+            pending = j.exchange.gather_start(pieces.inputs(self.opt.param_groups, self.opt.state, True,
+                                                            self.step_token, into=into)[0])
             pieces.sent()  # copied into the exchange: their memory goes back
             return pending
         for part in parts:

@@ -198,6 +198,22 @@ class Exchange:
         take_all(stacks.values())  # memory lent back for this step (see ds_muon.engine.memory.lending)
         return stacks
 
+    def home_destinations(self) -> Dict[int, torch.Tensor]:
+        """``{matrix: flat view of its home stack}`` for the matrices whose piece on this rank goes only to
+        this rank's own stack (one process; DDP's own homes): where the stack has the gradients' dtype (fp32
+        NS: ``ns_dtype="auto"`` on an AVX2-only CPU, or pinned) the step writes their Nesterov inputs there
+        itself, and :meth:`gather_start`'s copy of them is then a copy onto the same bytes, which torch skips
+        (one pass fewer per matrix; bf16 stacks take the cast on that copy, as before)."""
+        stacks = self._stacks()
+
+        def build():
+            sent = {seg.matrix for lst in self.send_g for seg in lst}
+            seen = _positions(seg.matrix for seg in self.self_gather)
+            views = self._buffer("self_views", lambda: [self._flat_home_view(stacks, seg) for seg in self.self_gather])
+            return {seg.matrix: v for seg, v in zip(self.self_gather, views)
+                    if len(seen[seg.matrix]) == 1 and seg.matrix not in sent and v.dim() == 1}
+        return self._buffer("home_destinations", build)
+
     def gather_start(self, local: Optional[Dict[int, torch.Tensor]], filled: bool = False):
         """``local[i]``: this rank's piece of matrix i, flat.  Pack and issue the gather
         all_to_all without waiting (other domains' exchanges can be issued meanwhile);

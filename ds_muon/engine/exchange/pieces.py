@@ -187,12 +187,15 @@ class WavePieces:
         return cached
 
     # -- the update's two halves -----------------------------------------------------------------
-    def inputs(self, param_groups, state, commit: bool = True, bound_in=None, part: Optional[Tuple[int, int]] = None):
+    def inputs(self, param_groups, state, commit: bool = True, bound_in=None, part: Optional[Tuple[int, int]] = None,
+               into: Optional[Dict[int, torch.Tensor]] = None):
         """This rank's pieces of the wave's NS inputs (weight decay, momentum, Nesterov:
         :func:`~ds_muon.rules.update.ns_input`, one call per param group) as ``{matrix: flat piece}``,
         and (``commit=False``) the ``(momentum piece, new value)`` pairs to commit later.
         ``bound_in``: a token of the step, for :meth:`apply`.  ``part``: only the pieces of one of
-        :meth:`parts` (default all)."""
+        :meth:`parts` (default all).  ``into`` (``{matrix: flat tensor}``, the exchange's
+        :meth:`~ds_muon.engine.exchange.all_to_all.Exchange.home_destinations`): where a matrix's Nesterov
+        input is written instead of the kept buffer (the same lerp, so the same bits)."""
         if part is None or part[0] == 0:  # the views are checked and gradients listed once per step
             self._bind(state)
             self._bound_in = bound_in
@@ -208,8 +211,11 @@ class WavePieces:
             g = param_groups[self._group_of(a)]
             gs = grads[a:z]
             kept = None
+            idx = self.idx[a:z] if at is None else [self.idx[a + k] for k in at]
             if commit and g["nesterov"] and at != [] and all(t.dtype == gs[0].dtype for t in gs):
                 kept = self._kept_inputs(a, z, gs if at is None else [gs[k] for k in at], at)
+                if into:
+                    kept = _written_into(kept, idx, into, self._multi)
             inputs, new = ns_input(gs, self._bufs[a:z], self._param_pieces[a:z], g, commit,
                                    out=kept[0] if kept is not None else None, only=at)
             if kept is not None:
@@ -218,7 +224,6 @@ class WavePieces:
                 flats = self._buf_flats[a:z] if at is None else [self._buf_flats[a + k] for k in at]
             else:
                 flats = [t.reshape(-1) for t in inputs]
-            idx = self.idx[a:z] if at is None else [self.idx[a + k] for k in at]
             if self._multi:
                 for i, f in zip(idx, flats):
                     if i in self._multi:
@@ -264,6 +269,17 @@ class WavePieces:
             apply_result(self._param_flats[a:z], ordered[a:z], decay, alpha, self._flat_results)
         if self._copied:
             self._copy_back()
+
+
+def _written_into(kept, idx: List[int], into: Dict[int, torch.Tensor], multi) -> tuple:
+    """The kept Nesterov buffers ``kept`` (views, flats, buffer) with the pieces of matrices in ``into``
+    replaced by their destinations there (same dtype and size; not a matrix held in several views)."""
+    views, flats = list(kept[0]), list(kept[1])
+    for k, i in enumerate(idx):
+        d = into.get(i)
+        if d is not None and i not in multi and d.dtype == flats[k].dtype and d.numel() == flats[k].numel():
+            views[k], flats[k] = d.view(views[k].shape), d
+    return views, flats, kept[2]
 
 
 def _locals(ts: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -12,13 +12,23 @@ contents do not survive a give-back: every buffer lent this way is written befor
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
 
+# DS_MUON_POISON_LENT=1: memory taken back is filled with 0xFF bytes (NaN in every float dtype) first, so a
+# buffer read before it is written shows at once instead of reading whatever the allocator handed back
+# (zero pages in a new process, an earlier call's data in a long-lived one): tests/test_lending.py.  Read at
+# each take (a rank's environment may be set after import)
+POISON_ENV = "DS_MUON_POISON_LENT"
+
 
 def _need(t: torch.Tensor) -> int:
     return (t.storage_offset() + t.numel()) * t.element_size()
+
+
+_poisoned = [0]  # takes poisoned in this process (a test reads it to know the check ran)
 
 
 def take(t: torch.Tensor) -> torch.Tensor:
@@ -27,6 +37,9 @@ def take(t: torch.Tensor) -> torch.Tensor:
     need = _need(t)
     if s.nbytes() < need:
         s.resize_(need)
+        if os.environ.get(POISON_ENV) == "1":
+            torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),)).fill_(255)
+            _poisoned[0] += 1
     return t
 
 

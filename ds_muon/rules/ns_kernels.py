@@ -261,8 +261,9 @@ def batch_sensitive(X: torch.Tensor) -> bool:
     """CPU fp16 batched products round a matrix by its batch neighbours (Intel AMX, torch 2.13: 3 of 209
     drawn matrices of Gram stacks differed from the same matrix alone; per matrix 0 of 209), so a sharded
     fp16 Gram step would not be the one-process step there; one product per matrix has no neighbours (the
-    standard iteration's fp16 forms: :func:`choice`; the Gram iteration's products: these two).  bf16 and fp32 stacks keep their bits; fp16
-    Gram on a CPU is opt-in (``ns_method="gram"`` with bf16) and runs at fp32's time anyway."""
+    standard iteration's fp16 forms: :func:`choice`; the Gram iteration's products: the two below).  bf16
+    and fp32 stacks keep their bits; fp16 Gram on a CPU is opt-in (``ns_method="gram"`` with bf16) and runs
+    at fp32's time anyway."""
     return X.dtype == torch.float16 and X.device.type == "cpu"
 
 
@@ -282,8 +283,8 @@ def per_matrix_baddbmm(C: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *, alp
 
 
 # Device families where ``addmm`` into a transposed ``out`` was seen to keep the bits of the contiguous
-# product transposed (see :func:`writes_tall`).  Not on the Intel AMX box: there fp32 results differed in
-# the last bits on 2 of 12 drawn large tall shapes (bf16: 0 of 12; torch 2.13), so it copies.
+# product transposed (see :func:`writes_tall`).  Not on the Intel AMX box: there results differed in the
+# last bits on fp32 8 of 119 and bf16 4 of 120 drawn large tall shapes (torch 2.13), so it copies.
 WRITES_TALL_FAMILIES = ("cpu:AuthenticAMD:avx512",)
 
 

@@ -64,7 +64,7 @@ def ns_input(grads: List[torch.Tensor], bufs: List[torch.Tensor], params: List[t
         # two: 1.6 of the wide bank's 47 ms on the Intel AMX box); small ones: two foreach calls, not one call
         # each.  The same lerp of the same operands either way, so the same bits
         small = [k for k, g in enumerate(grads) if g.numel() < ONE_CALL_NUMEL]
-        for k, (o, g, w) in enumerate(zip(out, grads, wanted)):
+        for o, g, w in zip(out, grads, wanted):
             if g.numel() >= ONE_CALL_NUMEL:
                 torch.lerp(g, w, group["momentum"], out=o)
         if small:

@@ -56,24 +56,29 @@ def test_nesterov_written_into_the_home_stack_changes_no_bit(ns_dtype, monkeypat
     the same steps with every input copied in from the kept buffer."""
     from ds_muon.engine.exchange import all_to_all
 
-    seen = []
-    real = all_to_all.Exchange.home_destinations
+    written = []  # per gather: how many of its pieces already are their home stack's bytes
+    real_destinations, real_gather = all_to_all.Exchange.home_destinations, all_to_all.Exchange.gather_start
 
-    def counted(self):
-        out = real(self)
-        seen.append(len(out))
-        return out
+    def gather_start(self, local, filled=False):
+        homes = {i: d.data_ptr() for i, d in real_destinations(self).items()}
+        written.append(sum(homes.get(i) == t.data_ptr() for i, t in (local or {}).items()))
+        return real_gather(self, local, filled)
 
     def run(destinations):
-        monkeypatch.setattr(all_to_all.Exchange, "home_destinations", counted if destinations else (lambda self: {}))
+        monkeypatch.setattr(all_to_all.Exchange, "home_destinations",
+                            real_destinations if destinations else (lambda self: {}))
+        monkeypatch.setattr(all_to_all.Exchange, "gather_start", gather_start)
+        written.clear()
         with dist_harness.one_thread():
             model = mlp()
             opt = ds_muon.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02, ns_dtype=ns_dtype)
             train(model, [opt])
-        return [p.detach().clone() for p in model.parameters()]
+        return [p.detach().clone() for p in model.parameters()], list(written)
 
-    direct, copied = run(True), run(False)
-    assert seen and all(n == 3 for n in seen)  # each of the 3 matrices has a destination
+    (direct, written_direct), (copied, written_copied) = run(True), run(False)
+    assert written_direct and written_copied and not any(written_copied)
+    # fp32 stacks: each of the 3 matrices' inputs is written in place; bf16 stacks: none (the copy casts)
+    assert set(written_direct) == ({3} if ns_dtype == torch.float32 else {0}), written_direct
     assert all(torch.equal(a, b) for a, b in zip(direct, copied))
 
 

@@ -4,7 +4,7 @@ the test that made it instead of changing the bits of whichever test runs next.
 
 What is read: torch's numerics switches (threads, default dtype and device, deterministic algorithms, matmul
 precision, oneDNN, TF32 and the fp32_precision switches, grad and anomaly modes), ds_muon's own per-process pins (NS kernel forms, chunk
-budget, what ``ns_dtype="auto"`` means), an initialised process group in the test process, and the
+budget, the step's memory bound, what ``ns_dtype="auto"`` means), an initialised process group in the test process, and the
 environment (``ACCELERATE_*``, ``RANK`` ... as much as ``OMP_NUM_THREADS``): all of it but pytest's own key.
 """
 
@@ -15,6 +15,7 @@ from typing import Dict
 
 import torch
 
+from ds_muon.engine.memory import budget
 from ds_muon.rules import ns_auto, ns_kernels
 
 # pytest's own key; inductor's note of a pointer it reads back in this process (set by torch.compile's
@@ -51,6 +52,10 @@ def snapshot(env: bool = True) -> Dict[str, object]:
     # the kernel forms and chunk budget in effect (table, calibration, pins): what the step's agreement compares
     s["ds_muon.rules.ns_kernels.fingerprint()"] = ns_kernels.fingerprint()
     s["ds_muon ns_auto pins"] = dict(ns_auto._pinned)  # (choice() would measure where the table has no entry)
+    # the step's memory bound: a smaller one runs NS in smaller chunks, and a chunk of one matrix takes torch's
+    # 2-D product path (issue 51: a pooled rank left at tests/test_memory.py's smallest budget changed the bits
+    # of the next FSDP2 bf16 test on the AMD EPYC)
+    s["ds_muon.engine.memory.budget (FLOOR_BYTES, STATE_FRACTION)"] = (budget.FLOOR_BYTES, budget.STATE_FRACTION)
     if env:
         s.update({f"os.environ[{k!r}]": v for k, v in os.environ.items() if k not in _IGNORED_ENV})
     return s

@@ -91,6 +91,18 @@ def with_stack(code: str, line: str) -> str:
     return f"{head}TrainingArguments({line}, {tail}"
 
 
+ENDS = ("torch.distributed.destroy_process_group()", "trainer.end()", "accelerator.end_training()")
+
+
+def test_torchrun_blocks_destroy_their_process_group():
+    """A rank that exits with its gloo group up can abort at interpreter shutdown (SIGABRT, "terminate called
+    without an active exception": docs/TRAINER.md's block did, 1 of 4 runs of the test below); torch's rule
+    is to destroy the group before exit, and a page's multi-process block must show it."""
+    for where, code in torchrun_snippets():
+        last = [ln.split("#")[0].strip() for ln in code.strip().splitlines()][-1]
+        assert last in ENDS, f"{where}: end the block with one of {ENDS}, which destroy the process group"
+
+
 def test_torchrun_blocks_run_at_two_cpu_processes(tmp_path):
     """docs/TRAINER.md's first block (TrainingArguments as written, evaluation on) under torchrun at W=2 on CPU,
     and with the table's ZeRO-3 line: it failed in gloo's allgather until the page gave use_cpu=... for

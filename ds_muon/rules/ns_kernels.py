@@ -28,9 +28,12 @@ a rank whose choices differ gets the same clear error as every other rank.
 
 A matrix's result never depends on its batch neighbours in either form (the batched
 GEMM treats each matrix on its own; per-matrix forms see one matrix), which is what a
-sharded step's bitwise equality with one process rests on.  The exception measured is fp16
-on a CPU (Intel AMX, torch 2.13: the batched fp16 GEMM rounds a small matrix by its neighbours),
-so fp16 runs per matrix there whatever the table says.
+sharded step's bitwise equality with one process rests on.  The exceptions measured are half
+precision on a CPU: the batched fp16 GEMM rounds a small matrix by its neighbours (Intel AMX, torch
+2.13), and a tiny bf16 product (at most :data:`TINY_PRODUCT` multiply-adds) rounds otherwise in a batch
+than alone or as a 2-D product (AMD EPYC, torch 2.13; a stack of one takes the 2-D path, so the bits
+followed the stack's size).  So fp16, and bf16 products that tiny, run per matrix there whatever the
+table says: 2-D products, torch.optim.Muon's own.
 
 (Over 400 lines, as one table: the classes, the built-in choices, :func:`pin`, :func:`calibrate` (with
 the measurements it runs) and :func:`fingerprint` all read and write this module's per-process choices
@@ -55,6 +58,7 @@ FORMS = ("batched", "per_matrix")
 Class = Tuple[str, str, str, bool, str]
 
 SMALL = 128 * 128 * 128  # m·m·n below this: dispatch dominates, per-matrix loops lose
+TINY_PRODUCT = 16 * 16 * 16  # m·m·n at most this: a half-precision CPU product runs per matrix (choice())
 
 
 def size_bucket(m: int, n: int) -> str:
@@ -121,9 +125,13 @@ def choice(device_type: str, dtype: torch.dtype, product: str, transposed: bool,
     """The form ``product`` runs as for this class (see the module docstring for the order)."""
     key = kernel_class(device_type, dtype, product, transposed, m, n)
     got = _pinned.get(key)
-    if got is None and device_type == "cpu" and dtype == torch.float16:
+    if got is None and device_type == "cpu" and (dtype == torch.float16 or
+                                                 (dtype == torch.bfloat16 and m * m * n <= TINY_PRODUCT)):
         # for the bits, not the speed: CPU fp16 batched products round a matrix by its batch neighbours
-        # (Intel AMX, torch 2.13; bf16 and fp32 do not), one product per matrix has none
+        # (Intel AMX, torch 2.13), and a tiny bf16 product (at most 16³ multiply-adds) rounds otherwise
+        # batched than alone or 2-D (AMD EPYC, torch 2.13: 16 of 12000 drawn 16x16 ``poly`` products; a
+        # batch of one took the 2-D path, so a matrix's bits followed its stack's size).  One 2-D product
+        # per matrix has no neighbours and is torch.optim.Muon's product; fp32 keeps its bits batched
         return "per_matrix"
     got = got or _calibrated.get(key)
     if got is not None:
@@ -226,9 +234,9 @@ def _effective_text() -> str:
 
 def gram(X: torch.Tensor, out: torch.Tensor, form: str) -> torch.Tensor:
     """out ← X·Xᵀ, per matrix of the stack."""
-    if form == "per_matrix":
-        for i in range(X.size(0)):
-            torch.mm(X[i], X[i].T, out=out[i])
+    if form == "per_matrix":  # (unbind: one call for every matrix's view, not one index per operand)
+        for x, o in zip(X.unbind(0), out.unbind(0)):
+            torch.mm(x, x.T, out=o)
         return out
     return torch.bmm(X, X.mT, out=out)
 
@@ -240,8 +248,8 @@ def poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor, form: str) -> t
     if c == 0:
         return torch.mul(A, b, out=out)
     if form == "per_matrix":
-        for i in range(A.size(0)):
-            torch.addmm(A[i], A[i], A[i], beta=b, alpha=c, out=out[i])
+        for a, o in zip(A.unbind(0), out.unbind(0)):
+            torch.addmm(a, a, a, beta=b, alpha=c, out=o)
         return out
     return torch.baddbmm(A, A, A, beta=b, alpha=c, out=out)
 
@@ -251,8 +259,8 @@ def apply(X: torch.Tensor, B: torch.Tensor, a: float, out: torch.Tensor, form: s
     written in its own layout, no transposing copy after): then always per matrix, ``addmm`` into
     each matrix's transposed view (the batched form into such a view rounded differently)."""
     if form == "per_matrix" or out.stride(-1) != 1:
-        for i in range(X.size(0)):
-            torch.addmm(X[i], B[i], X[i], beta=a, out=out[i])
+        for x, b, o in zip(X.unbind(0), B.unbind(0), out.unbind(0)):
+            torch.addmm(x, b, x, beta=a, out=o)
         return out
     return torch.baddbmm(X, B, X, beta=a, out=out)
 

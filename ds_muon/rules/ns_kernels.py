@@ -58,7 +58,7 @@ FORMS = ("batched", "per_matrix")
 Class = Tuple[str, str, str, bool, str]
 
 SMALL = 128 * 128 * 128  # m·m·n below this: dispatch dominates, per-matrix loops lose
-TINY_PRODUCT = 16 * 16 * 16  # m·m·n at most this: a half-precision CPU product runs per matrix (choice())
+TINY_PRODUCT = 16 * 16 * 16  # m·m·n at most this: a bf16 CPU product runs per matrix, for its bits (choice())
 
 
 def size_bucket(m: int, n: int) -> str:

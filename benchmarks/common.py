@@ -27,6 +27,26 @@ def median_seconds(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) 
     return statistics.median(times)
 
 
+GEMM_SIZE = 2048  # the reference GEMM: large enough to run at the machine's matmul rate
+
+
+def gemm_timer(dtype: torch.dtype, size: int = GEMM_SIZE, device="cpu"):
+    """(timer, FLOPs): ``timer()`` runs one size² × size² GEMM in ``dtype`` and returns its process CPU seconds.
+    FLOPs over those seconds is the machine's matmul rate at that moment. Time it in the same rounds as what
+    it prices, because the rate swings 2-3× between minutes on a shared box. The products of a
+    Newton–Schulz iteration cannot run faster than this, so NS FLOPs at this rate are a floor under any
+    exact form of the iteration."""
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    torch.mm(a, b)  # warm-up
+
+    def timer() -> float:
+        c0 = time.process_time()
+        torch.mm(a, b)
+        return time.process_time() - c0
+
+    return timer, 2.0 * size ** 3
+
+
 def header(title: str) -> None:
     cpu = platform.processor() or platform.machine()
     try:

@@ -10,6 +10,10 @@ Muon takes nothing else), so the step compared is the Muon step.  Models:
   (d=512, ff=1376: 7B's 4096 and 11008 divided by 8, its aspect ratios kept), 2 layers — 7B's own
   4096×11008 matrices take tens of seconds of NS each on a 2-core CPU.
 
+Beside them, a floor: torch's NS FLOPs at the machine's bf16 GEMM rate (one 2048² GEMM timed in every
+round). The two NS forms run at 0.95-0.98 of that rate on the AMD EPYC (``ns_roofline.py``). Where the floor
+is most of torch's step, no optimizer running the same products can be much faster than torch's.
+
 Then a profile of ds_muon's step by phase (``torch.profiler`` record_function ranges of the runtime's
 stages, where present, and the NS products), and the same for torch's.  ``DS_MUON_CPU_FLAGS="AuthenticAMD:avx2
 fma"`` simulates an AVX2-only EPYC (auto picks fp32 there; said in the header).
@@ -27,11 +31,12 @@ import time
 import torch
 from torch import nn
 
-from common import header, table
+from common import GEMM_SIZE, gemm_timer, header, table
 from gpt import GPT
 
 import ds_muon
 from ds_muon.rules import ns_auto
+from ds_muon.rules.newton_schulz import ns_flops
 
 
 class Bank(nn.Module):
@@ -67,21 +72,33 @@ def _timed(opt, mats, grads):
     return time.process_time() - c0, time.perf_counter() - w0
 
 
+def torch_ns_flops(mats) -> float:
+    """FLOPs of torch.optim.Muon's NS products on ``mats`` (5 standard steps, whatever the machine)."""
+    return sum(ns_flops(p.shape[0], p.shape[1], 5) for p in mats)
+
+
 def compare(name, mats, repeats):
     grads = _grads(mats)
     ours = ds_muon.Muon([{"params": mats, "use_muon": True}], lr=0.02, log_summary=False)
     theirs = torch.optim.Muon(mats, lr=0.02)
-    times = {"ds_muon": [], "torch.optim.Muon": []}
+    gemm, gemm_flops = gemm_timer(torch.bfloat16)  # torch.optim.Muon's NS dtype
+    flops = torch_ns_flops(mats)
+    times = {"ds_muon": [], "torch.optim.Muon": [], "floor": []}
     for k in range(repeats + 2):  # interleaved; two warm-up rounds
         for label, opt in (("ds_muon", ours), ("torch.optim.Muon", theirs)):
             t = _timed(opt, mats, grads)
             if k >= 2:
                 times[label].append(t)
+        g = gemm()
+        if k >= 2:  # torch's NS products at this round's GEMM rate
+            times["floor"].append((flops * g / gemm_flops,) * 2)
     cpu = {k: statistics.median(c for c, _ in v) for k, v in times.items()}
     wall = {k: statistics.median(w for _, w in v) for k, v in times.items()}
+    per_round = lambda a, b: statistics.median(x[0] / y[0] for x, y in zip(times[a], times[b]))  # noqa: E731
     return (name, len(mats), f"{cpu['ds_muon'] * 1e3:.1f}", f"{wall['ds_muon'] * 1e3:.1f}",
             f"{cpu['torch.optim.Muon'] * 1e3:.1f}", f"{wall['torch.optim.Muon'] * 1e3:.1f}",
-            f"{cpu['ds_muon'] / cpu['torch.optim.Muon']:.2f}"), ours, grads
+            f"{per_round('ds_muon', 'torch.optim.Muon'):.2f}", f"{cpu['floor'] * 1e3:.1f}",
+            f"{per_round('floor', 'torch.optim.Muon'):.2f}"), ours, grads
 
 
 def profile(opt, mats, grads, rounds=5):
@@ -127,7 +144,11 @@ def main():
             theirs = torch.optim.Muon(mats, lr=0.02)
             profiled.append((name, profile(ours, mats, grads), profile(theirs, mats, grads)))
     table(["model", "matrices", "ds_muon CPU ms", "(wall)", "torch.optim.Muon CPU ms", "(wall)",
-           "ds_muon / torch (CPU)"], rows)
+           "ds_muon / torch (CPU)", "NS products at GEMM rate, ms", "floor / torch"], rows)
+    print(f"ds_muon / torch and floor / torch: medians of per-round ratios. NS products at GEMM rate: torch.optim.Muon's "
+          f"NS FLOPs (5 bf16 standard steps) over one {GEMM_SIZE}² bf16 GEMM's rate, timed in each round. No exact form "
+          "of that iteration runs its products faster, so 'floor / torch' is the least ds_muon / torch any optimizer "
+          "could reach with the same products, with the rest of its step free.")
     for name, a, b in profiled:
         print(f"\n## {name}: ds_muon, ops by self CPU time per step")
         table(["op", "calls/step", "ms/step", "share"], a)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import header, table
+from common import GEMM_SIZE, gemm_timer, header, table
 
 import dist_harness
 import ds_muon
@@ -131,6 +131,8 @@ def check_same_update(shape=(512, 1536), seed=0):
 def _variants(model_seed):
     """(name, ddp model, optimizers) for each variant, every model from the same seed."""
     out = []
+    idx = torch.zeros(1, 9, dtype=torch.long)
+    example = (idx[:, :-1], idx[:, 1:])  # one forward for muon_param_groups to read the model from
     for name in ("adamw", "ds_muon", "keller"):
         torch.manual_seed(model_seed)
         model = BankNet()
@@ -138,10 +140,11 @@ def _variants(model_seed):
         if name == "adamw":
             opts = [torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)]
         elif name == "ds_muon":
-            opts = [ds_muon.Muon(ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-4, weight_decay=0.0),
+            opts = [ds_muon.Muon(ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-4, weight_decay=0.0,
+                                                           example_inputs=example),
                                  ns_dtype=torch.bfloat16, log_summary=False)]
         else:  # the same tensors on Muon as ds_muon's grouping picks
-            groups = ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-4, weight_decay=0.0)
+            groups = ds_muon.muon_param_groups(model, lr=0.02, adam_lr=3e-4, weight_decay=0.0, example_inputs=example)
             hidden = [p for grp in groups if grp.get("use_muon") for p in grp["params"]]
             rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
             opts = [KellerDDPMuon(hidden, lr=0.02, momentum=0.95),
@@ -155,6 +158,8 @@ def _worker(rank, world, args):
     variants = _variants(0)
     g = torch.Generator().manual_seed(rank)
     rows = {name: [] for name, *_ in variants}  # per round: (wall, cpu) of the slowest rank
+    gemm, gemm_flops = gemm_timer(torch.bfloat16)
+    gemm_seconds = []  # per round, this rank's: the NS floor is priced at it
     for rnd in range(args.warmup + args.rounds):
         idx = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
         order = variants if rnd % 2 == 0 else variants[::-1]  # alternate who goes first
@@ -171,6 +176,8 @@ def _worker(rank, world, args):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rnd >= args.warmup:
                 rows[name].append(t.tolist())
+        if rnd >= args.warmup:
+            gemm_seconds.append(gemm())
     muon = variants[1][2][0]
     sent = sum(ex.bytes_sent for ex in muon.exchanges())
     keller = variants[2][2][0].param_groups[0]["params"]  # all_gather: each rank sends its own to W-1 peers
@@ -179,7 +186,8 @@ def _worker(rank, world, args):
                             for ex in muon.exchanges() for i in ex.active if rank in ex.homes[i]),
              "keller": sum(ns_flops(p.shape[0], p.shape[1], 5) for p in keller[rank::world])}
     n_muon = variants[2][3]
-    return rows, {"ds_muon": sent, "keller": keller_sent}, n_muon, os.getloadavg(), checks, flops
+    floor = [flops["keller"] * g / gemm_flops for g in gemm_seconds]  # this rank's NS share at its GEMM rate
+    return rows, {"ds_muon": sent, "keller": keller_sent}, n_muon, os.getloadavg(), checks, flops, floor
 
 
 def main():
@@ -229,6 +237,12 @@ def main():
     print("Muon overhead over AdamW, ds_muon / Keller (below 1: ds_muon adds less), median of per-round ratios:")
     print(f"  CPU {statistics.median(rc):.2f}x (rounds {min(rc):.2f}-{max(rc):.2f}), "
           f"wall {statistics.median(rw):.2f}x (rounds {min(rw):.2f}-{max(rw):.2f})")
+    floor = [max(r[6][k] for r in per_rank) for k in range(len(base))]  # the slowest rank's, per round
+    rf = [f / (e[1] - b[1]) for f, e, b in zip(floor, rows["keller"], base)]
+    print(f"floor: one rank's NS FLOPs (Keller's split; ds_muon's is as large) at a {GEMM_SIZE}² bf16 GEMM's rate "
+          f"timed in each round, {statistics.median(floor) * 1e3:.1f} ms, {statistics.median(rf):.2f}x Keller's CPU "
+          "overhead (median of per-round ratios): the least ds_muon / Keller any optimizer running these products "
+          "could reach, with the rest of its step and the exchange free")
 
 
 if __name__ == "__main__":

@@ -332,3 +332,92 @@ def test_a_split_no_stack_can_shard_raises_naming_the_tensor():
         _groups(_Irregular())
     muon, _ = _sets(_groups(_Irregular(), split_fused=False))  # the way out the message names
     assert "proj.weight" in muon
+
+
+# -- a model that returns its loss: the head is what the loss reads ---------------------------------------
+LOSSES = {  # (prediction from logits, target) -> loss: F's own losses, each as a training script calls it
+    "cross_entropy": lambda y, t: torch.nn.functional.cross_entropy(y.reshape(-1, y.size(-1)), t.reshape(-1)),
+    "nll_loss": lambda y, t: torch.nn.functional.nll_loss(y.log_softmax(-1).flatten(0, 1), t.flatten()),
+    "mse_loss": lambda y, t: torch.nn.functional.mse_loss(y, torch.nn.functional.one_hot(t, y.size(-1)).float()),
+    "bce_with_logits": lambda y, t: torch.nn.functional.binary_cross_entropy_with_logits(
+        y, torch.nn.functional.one_hot(t, y.size(-1)).float()),
+    "kl_div": lambda y, t: torch.nn.functional.kl_div(
+        y.log_softmax(-1), torch.nn.functional.one_hot(t, y.size(-1)).float(), reduction="batchmean"),
+    "smooth_l1": lambda y, t: torch.nn.functional.smooth_l1_loss(y[..., 0], t.float()),
+}
+RETURNS = {  # how the forward hands its loss back
+    "loss": lambda loss, aux: loss,
+    "loss + aux": lambda loss, aux: loss + 1e-3 * aux,  # a load-balancing / regularising term beside it
+    "(loss, aux)": lambda loss, aux: (loss, aux),
+    "{'loss': loss + aux}": lambda loss, aux: {"loss": loss + 0.01 * aux},
+}
+
+
+class _LossNet(torch.nn.Module):
+    """embed -> hidden blocks -> head -> a loss of the head's output; a side projection of the hidden
+    stream makes an auxiliary term (its own output layer only where it is returned on its own)."""
+
+    def __init__(self, loss, ret, vocab=16, d=8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+        self.side = torch.nn.Linear(d, d)
+        self.out = torch.nn.Linear(d, vocab, bias=False)  # not a head name: only the forward says it is one
+        self.loss, self.ret = loss, ret
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        x = x + self.down(torch.relu(self.up(x)))
+        aux = self.side(x).square().mean()
+        return self.ret(self.loss(self.out(x), targets), aux)
+
+
+@pytest.mark.parametrize("ret", list(RETURNS))
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_the_layer_a_returned_loss_reads_is_the_output_head(loss, ret):
+    """A forward that returns its loss (loss alone, plus an auxiliary term, beside it, in a dict): the layer whose
+    output the loss function reads is the output head (AdamW), whatever is added to the loss after it. Summed
+    with an auxiliary term, the loss is no single weight's output (a residual sum's rule); before, the head went
+    to Muon as a hidden matrix whenever an auxiliary term was added."""
+    model = _LossNet(LOSSES[loss], RETURNS[ret])
+    idx = torch.randint(0, 16, (2, 5))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        groups = ds_muon.muon_param_groups(model, example_inputs=(idx, idx))
+    assert not [x for x in w if "not by the traced forward" in str(x.message)]
+    muon, adam = _sets(groups)
+    assert {"up.weight", "down.weight"} <= muon and {"out.weight", "embed.weight"} <= adam, (muon, adam)
+    # the side projection is a head only where its output is returned on its own (the tuple)
+    assert ("side.weight" in adam) == (ret == "(loss, aux)"), (muon, adam)
+
+
+class _Training(torch.nn.Module):
+    """A model under a training forward: its loss (``map_models.loss``, as the model's own tests train it) plus
+    a term from a weight of the wrapper's own, a sum no single weight produced."""
+
+    def __init__(self, name):
+        super().__init__()
+        import map_models
+
+        self.name, self.model, self.probe = name, map_models.build(name), torch.nn.Linear(4, 4)
+        self._loss = map_models.loss
+
+    def forward(self, *args):
+        *inputs, target = args
+        aux = self.probe(torch.ones(1, 4, device=target.device)).square().mean()
+        return self._loss(self.name, self.model, inputs, target) + 1e-3 * aux
+
+
+@pytest.mark.parametrize("name", ["conv_classifier", "transposed_lm", "embedding_stack", "unet", "dit", "einsum_lm"])
+def test_a_training_forward_decides_the_model_as_its_inference_forward(name):
+    """Every config-less model of the map zoo read through a forward that returns its loss plus an auxiliary term:
+    each of its tensors gets the decision its inference forward gives, and its output layer (named by the zoo,
+    not by the trace) is on AdamW."""
+    import map_models
+
+    bare = _sets(_groups(map_models.build(name), example_inputs=map_models.example_inputs(name)))
+    args, target = map_models.batch(name, n=1)
+    wrapped = _sets(_groups(_Training(name), example_inputs=(*args, target)))
+    inner = tuple({n[len("model."):] for n in s if n.startswith("model.")} for s in wrapped)
+    assert inner == bare, (inner, bare)
+    assert map_models.OUTPUT_LAYERS[name] in inner[1]

@@ -9,8 +9,8 @@ weight's output is replayed (:mod:`.splits` reads the blocks).
 Two rules in place of lists of ops.  *Provenance*: an op that applies a weight as a linear map makes its
 output that weight's alone; every other op passes on the union of its inputs' weights, unless it sums or
 multiplies the outputs of different weights together (:func:`_provenance`); the weights in the set of the
-model's output are its final output layers, whatever ops (a stack of heads, a soft-cap, a sort, a custom
-``autograd.Function``) stand between.  *Views*: any op whose output is a view of a parameter keeps it one, its
+model's output, or of what a loss function reads as its prediction, are its final output layers, whatever ops
+(a stack of heads, a soft-cap, a sort, a custom ``autograd.Function``) stand between.  *Views*: any op whose output is a view of a parameter keeps it one, its
 layout composed by torch's own stride rules (:func:`.views.replay`), so a matrix op sees which stored axes are
 the rows and columns of the matrix it applies, and which pick matrices of a stack.
 """
@@ -97,6 +97,15 @@ _LINEAR_BIN = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__
 _PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
                 "div_", "true_divide"}
 _CAT = {"cat", "concat", "concatenate", "stack"}
+# torch.nn.functional's losses, each with how many leading arguments are predictions (the rest: targets, weights).
+# What a loss reads is an end of the forward as much as what it returns: a model that returns ``loss + aux`` (a
+# load-balancing term) returns a sum no single weight produced, but its loss still read the head's output.
+# (A list: nothing in an op's signature says that it compares a prediction with a target.)
+_LOSSES = {"cross_entropy": 1, "nll_loss": 1, "binary_cross_entropy": 1, "binary_cross_entropy_with_logits": 1,
+           "mse_loss": 1, "l1_loss": 1, "smooth_l1_loss": 1, "huber_loss": 1, "kl_div": 1, "poisson_nll_loss": 1,
+           "gaussian_nll_loss": 1, "soft_margin_loss": 1, "multilabel_soft_margin_loss": 1, "multi_margin_loss": 1,
+           "multilabel_margin_loss": 1, "hinge_embedding_loss": 1, "ctc_loss": 1, "cosine_embedding_loss": 2,
+           "margin_ranking_loss": 2, "triplet_margin_loss": 3, "triplet_margin_with_distance_loss": 3}
 _POOLS = {"mean", "sum", "amax", "amin", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
           "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
           "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices"}
@@ -114,6 +123,7 @@ class _Recorder(TorchFunctionMode):
         self.sources: Dict[int, Tuple[str, torch.Tensor]] = {}
         self.rejoined: List[Tuple[str, torch.Tensor]] = []
         self.mixed: List[Tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.ends: Set[str] = set()  # weights whose outputs a loss function read as its prediction (_LOSSES)
 
     # -- bookkeeping
     def get(self, t) -> _Info:
@@ -159,6 +169,9 @@ class _Recorder(TorchFunctionMode):
             return
         if not outs:
             return
+        if name in _LOSSES:  # the prediction arguments' last weights are output layers (the kwarg is ``input``)
+            preds = [a for a in list(args[:_LOSSES[name]]) + [kwargs.get("input")] if isinstance(a, torch.Tensor)]
+            self.ends.update(p for a in preds for p in self.get(a).last)
         if self._matrix(name, func, args, kwargs, out) is not None:
             return
         if name in ("embedding", "embedding_bag"):
@@ -380,7 +393,7 @@ class _Recorder(TorchFunctionMode):
                                             last=_provenance("__setitem__", sets)))
 
     def finish(self, outputs: Sequence[torch.Tensor]) -> Dict[str, Use]:
-        for p in {p for t in outputs for p in self.get(t).last} & set(self.uses):
+        for p in ({p for t in outputs for p in self.get(t).last} | self.ends) & set(self.uses):
             self.use(p).head = True
         for pname, blocks in output_blocks(self.uses, self.pieces, self.sources, self.rejoined, self.mixed).items():
             self.uses[pname].blocks = blocks

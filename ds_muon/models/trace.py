@@ -13,8 +13,9 @@ records (:class:`Use`):
   read from the equation and the view's strides (:mod:`.equations`);
 * whether its input is the model's input with no weight in between (an input layer: stems, patch
   embeddings) and whether its output reaches the model's output with no other weight and no mixing
-  with another weight's output after it (the final output layer; every tensor of the output counts,
-  whatever holds it: :func:`_outputs`);
+  with another weight's output after it, or reaches a loss function's prediction so (the final output
+  layer; every tensor of the output counts, whatever holds it: :func:`_outputs`; a model returning
+  ``loss + aux`` still has the head its loss read);
 * how its output is split: every ``chunk``/``split``/``unbind``/slice of its output (after any
   ``view``/``reshape``/``permute`` exposing a block axis) is replayed on a small integer *companion*
   tensor holding each element's output-feature index, so the blocks and their interleaving are exact

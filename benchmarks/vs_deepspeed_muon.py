@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import header, table
+from common import GEMM_SIZE, gemm_timer, header, table
 
 import dist_harness
 from gpt import GPT
@@ -173,6 +173,8 @@ def _worker(rank, world, runs, args):
     engines = [(label, _engine(variant, args), dynamo) for variant, label, dynamo in runs]
     g = torch.Generator().manual_seed(rank)
     rows = {label: [] for label, _, _ in engines}  # per round: (wall, CPU) of the slowest rank
+    gemm, gemm_flops = gemm_timer(torch.bfloat16)
+    gemm_share = []  # per round, this rank's seconds per FLOP at its GEMM rate (the floor is priced at it)
     for it in range(args.warmup + args.steps):
         idx = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
         for label, engine, dynamo in (engines if it % 2 == 0 else engines[::-1]):
@@ -186,8 +188,10 @@ def _worker(rank, world, runs, args):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if it >= args.warmup:
                 rows[label].append(t.tolist())
+        if it >= args.warmup:
+            gemm_share.append(gemm() / gemm_flops)
     plans = {label: _ns_and_bytes(engine, variant) for (label, engine, _), (variant, _, _) in zip(engines, runs)}
-    return rows, plans, os.getloadavg()
+    return rows, plans, os.getloadavg(), gemm_share
 
 
 def main():
@@ -252,6 +256,16 @@ def main():
             c, w = ratio(ours, theirs, 1), ratio(ours, theirs, 0)
             print(f"  {ours} vs {theirs}: CPU {c[0]:.2f}x ({c[1]:.2f}-{c[2]:.2f}), "
                   f"wall {w[0]:.2f}x ({w[1]:.2f}-{w[2]:.2f})")
+    ours = next((lb for lb in rows if lb.startswith("ds_muon, NS bf16")), None)
+    if ours is not None:  # the slowest rank's NS FLOPs at its GEMM rate, per round
+        floor = [max(pr[1][ours][0] * pr[3][k] for pr in per_rank) for k in range(len(base))]
+        print(f"floor: ds_muon's NS FLOPs on its busiest rank at a {GEMM_SIZE}² bf16 GEMM's rate timed in each round, "
+              f"{statistics.median(floor) * 1e3:.1f} ms; over each DeepSpeed overhead (CPU, median of per-round "
+              "ratios), the least ds_muon / DeepSpeed any optimizer running ds_muon's products could reach, with "
+              "the rest of its step and the exchange free:")
+        for theirs in [lb for lb in rows if lb.startswith("DeepSpeed muon")]:
+            rf = [f / (t[1] - b[1]) for f, t, b in zip(floor, rows[theirs], base)]
+            print(f"  vs {theirs}: {statistics.median(rf):.2f}x")
 
 
 if __name__ == "__main__":

@@ -207,3 +207,35 @@ def test_row_axes_refuses_what_it_cannot_mean():
         ds_muon.row_axes(s, 2)
     r = ds_muon.split_rows(ds_muon.row_axes(nn.Parameter(torch.randn(2, 3, 5)), 2), {"a": 2, "b": 4})
     assert logical_blocks(r, "r") == [("r[a]", (2, 5), 0), ("r[b]", (4, 5), 10)]
+
+
+def _shard1_worker(rank, world):
+    """FSDP2 with the [H, hd, D] output projection (row_axes 2: rows H·hd) sharded along dim 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    model = EinsumBlock()
+    wo = model.wo
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)),
+                          shard_placement_fn=lambda p: Shard(1) if p is wo else None)
+    try:
+        opt = _muon(_groups(wrapped), "float32", wrapped)
+        _loss(wrapped, 0).backward()
+        opt.step()
+    except NotImplementedError as e:
+        after = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        return str(e), all(torch.equal(after[n], before[n]) for n in before)
+    return None, False
+
+
+def test_fsdp2_row_axes_matrix_sharded_past_dim_0_is_refused_on_every_rank_before_any_write():
+    """A [H, hd, D] parameter read as one [H·hd, D] matrix (row_axes 2) holds whole matrices of rows only in dim-0
+    slices; FSDP2 ``Shard(1)`` (``shard_placement_fn``) splits each row, so every rank refuses it, naming the
+    tensor and what to do, and no parameter has changed."""
+    results = dist_harness.run(_shard1_worker, 2, timeout=300)
+    for msg, unchanged in results:
+        assert msg is not None and "wo" in msg and "row_axes" in msg and "Shard it along dim 0" in msg, msg
+        assert unchanged

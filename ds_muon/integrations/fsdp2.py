@@ -244,10 +244,13 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
         )
     experts = param.ndim == 3 and getattr(param, EXPERTS, False)  # [E, out, in]: any dim may be sharded
     if not experts and any(getattr(pl, "dim", 0) >= (1 if param.ndim > 2 else 2) for pl in param.placements):
+        k = row_axes_of(param)  # an N-D tensor read as one [prod(shape[:k]), rest] matrix (ds_muon.row_axes)
         raise NotImplementedError(
             f"ds_muon: {name} of shape {tuple(param.shape)} is sharded along a dim past 0 "
-            f"({tuple(param.placements)}); ds_muon describes column shards of 2-D matrices only. "
-            "Put this tensor in an AdamW group (use_muon=False)")
+            f"({tuple(param.placements)}); ds_muon describes column shards of 2-D matrices only"
+            + (f" (it holds one [prod(shape[:{k}]), rest] matrix, ds_muon.row_axes, read from whole dim-0 slices)"
+               if k != 1 else "")
+            + ". Shard it along dim 0 (FSDP2's default placement), or put it in an AdamW group (use_muon=False)")
     mesh = param.device_mesh
     local = param.to_local()
     if not local.is_contiguous():
@@ -269,11 +272,6 @@ def bind_fsdp2(param, name: str, plan_mesh=None) -> ParamBinding:
             f"ds_muon: {name} holds fused blocks (ds_muon.fused_blocks) and is sharded past dim 0 "
             f"({tuple(param.placements)}); ds_muon reads such blocks from row ranges only. Shard it along dim 0, "
             "or build the groups with muon_param_groups(..., split_fused=False)")
-    if row_axes_of(param) != 1 and ranges[1:] != [(0, n) for n in param.shape[1:]]:
-        raise NotImplementedError(
-            f"ds_muon: {name} {tuple(param.shape)} holds one [prod(shape[:{row_axes_of(param)}]), rest] matrix "
-            f"(ds_muon.row_axes) and is sharded past dim 0 ({tuple(param.placements)}); ds_muon reads such a "
-            "matrix from whole dim-0 slices only. Shard it along dim 0, or put it in an AdamW group")
     if experts and ranges[1:] != [(0, n) for n in param.shape[1:]]:  # EP x FSDP2 Shard(1)/Shard(2)
         return ParamBinding(param, _dtensor_flat, expert_block_slots(param, name, ranges), group=group)
     (r0, r1) = ranges[0]

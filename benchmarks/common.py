@@ -33,9 +33,9 @@ GEMM_SIZE = 2048  # the reference GEMM: large enough to run at the machine's mat
 def gemm_timer(dtype: torch.dtype, size: int = GEMM_SIZE, device="cpu"):
     """(timer, FLOPs): ``timer()`` runs one size² × size² GEMM in ``dtype`` and returns its process CPU seconds.
     FLOPs over those seconds is the machine's matmul rate at that moment. Time it in the same rounds as what
-    it prices, because the rate swings 2-3× between minutes on a shared box. The products of a
-    Newton–Schulz iteration cannot run faster than this, so NS FLOPs at this rate are a floor under any
-    exact form of the iteration."""
+    it prices, because the rate swings 2-3× between minutes on a shared box. NS FLOPs at this rate are about
+    the floor under any exact form of the iteration: the bank's stacks' bare products ran at 0.99-1.03 of it
+    in bf16 on the AMD EPYC (``ns_roofline.py``, "bare bmm/GEMM")."""
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     torch.mm(a, b)  # warm-up
 

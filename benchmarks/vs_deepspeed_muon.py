@@ -261,7 +261,7 @@ def main():
         floor = [max(pr[1][ours][0] * pr[3][k] for pr in per_rank) for k in range(len(base))]
         print(f"floor: ds_muon's NS FLOPs on its busiest rank at a {GEMM_SIZE}² bf16 GEMM's rate timed in each round, "
               f"{statistics.median(floor) * 1e3:.1f} ms; over each DeepSpeed overhead (CPU, median of per-round "
-              "ratios), the least ds_muon / DeepSpeed any optimizer running ds_muon's products could reach, with "
+              "ratios), about the least ds_muon / DeepSpeed any optimizer running ds_muon's products could reach, with "
               "the rest of its step and the exchange free:")
         for theirs in [lb for lb in rows if lb.startswith("DeepSpeed muon")]:
             rf = [f / (t[1] - b[1]) for f, t, b in zip(floor, rows[theirs], base)]

@@ -241,7 +241,7 @@ def main():
     rf = [f / (e[1] - b[1]) for f, e, b in zip(floor, rows["keller"], base)]
     print(f"floor: one rank's NS FLOPs (Keller's split; ds_muon's is as large) at a {GEMM_SIZE}² bf16 GEMM's rate "
           f"timed in each round, {statistics.median(floor) * 1e3:.1f} ms, {statistics.median(rf):.2f}x Keller's CPU "
-          "overhead (median of per-round ratios): the least ds_muon / Keller any optimizer running these products "
+          "overhead (median of per-round ratios): about the least ds_muon / Keller any optimizer running these products "
           "could reach, with the rest of its step and the exchange free")
 
 

@@ -203,9 +203,8 @@ def traced_input(t: TensorView) -> Optional[Decision]:
 
 
 def traced_head(t: TensorView) -> Optional[Decision]:
-    """The final output layer, for every model: its output reaches the model's output, or the prediction a loss
-    function reads, with no other weight after it (Muon's own rule: the input embedding and the final layer
-    on AdamW)."""
+    """The final output layer, for every model: its output reaches the model's output or a loss's prediction
+    with no other weight after it (Muon's rule: the input embedding and the final layer on AdamW)."""
     u = t.seen
     if u is None or not u.matrix or not u.head:
         return None

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from .equations import Applied, read as read_equation, tensordot_equation
 from .meta import _SCALARS, _fake_scalar, _name
+from .op_names import CAT, COPIES, LINEAR_BIN, LOSSES, MIXING, PIECES, POOLS, PRODUCT_BIN, RESHAPES, SAME, UNARY
 from .splits import output_blocks
 from .views import View, axes, extent, replay, row_major, swapped, tensor_index, views_into
 
@@ -72,45 +73,6 @@ class _Info:
     pooled: bool = False  # pooled, reduced or tokens picked since the last weight
 
 
-# Ops that pass a tensor's values on unchanged (casts, copies, dropout at eval): a view of a parameter stays one.
-# (A list because no property of an op tells a cast from an elementwise function of the weight.)
-_SAME = {"to", "type", "float", "half", "bfloat16", "double", "detach", "requires_grad_", "cpu", "cuda",
-         "contiguous", "clone", "dropout", "alpha_dropout", "feature_alpha_dropout"}
-# Ops that combine several inputs' elements arithmetically: weights' outputs summed or multiplied together (a
-# residual stream, attention scores) are no single weight's output any more.  (A list: an op's signature does
-# not tell a sum of two streams from a choice between them, as ``where`` or ``cat`` make.)
-_MIXING = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_",
-           "mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
-           "div_", "true_divide", "addcmul", "addcdiv", "lerp", "matmul", "__matmul__", "__rmatmul__", "bmm",
-           "mm", "baddbmm", "addmm", "einsum", "scaled_dot_product_attention", "linear"}
-# Ops that return a view where the strides allow and a copy otherwise (``reshape`` after a ``permute``): the copy
-# rearranges the elements as the view would, so an output's feature companion follows it all the same.
-_RESHAPES = {"reshape", "reshape_as", "flatten"}
-_PIECES = {"chunk", "split", "unbind", "tensor_split", "split_with_sizes", "__getitem__", "narrow", "select"}
-# Copies that rearrange a parameter's elements (a learned query table repeated per batch): still the weight where a
-# matrix op applies it, its layout unknown.  (A list: no property of an op tells a rearrangement from a function.)
-_COPIES = {"repeat", "tile", "repeat_interleave", "index_select", "gather", "take", "take_along_dim", "flip", "roll"}
-_UNARY = {"neg", "__neg__", "silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "exp", "clamp", "clip", "abs",
-          "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid", "relu6", "square", "sqrt", "rsqrt", "log",
-          "sin", "cos", "pow", "__pow__", "silu_", "relu_", "gelu_", "sigmoid_", "tanh_", "clamp_", "float_power"}
-_LINEAR_BIN = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
-_PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
-                "div_", "true_divide"}
-_CAT = {"cat", "concat", "concatenate", "stack"}
-# torch.nn.functional's losses, each with how many leading arguments are predictions (the rest: targets, weights).
-# What a loss reads is an end of the forward as much as what it returns: a model that returns ``loss + aux`` (a
-# load-balancing term) returns a sum no single weight produced, but its loss still read the head's output.
-# (A list: nothing in an op's signature says that it compares a prediction with a target.)
-_LOSSES = {"cross_entropy": 1, "nll_loss": 1, "binary_cross_entropy": 1, "binary_cross_entropy_with_logits": 1,
-           "mse_loss": 1, "l1_loss": 1, "smooth_l1_loss": 1, "huber_loss": 1, "kl_div": 1, "poisson_nll_loss": 1,
-           "gaussian_nll_loss": 1, "soft_margin_loss": 1, "multilabel_soft_margin_loss": 1, "multi_margin_loss": 1,
-           "multilabel_margin_loss": 1, "hinge_embedding_loss": 1, "ctc_loss": 1, "cosine_embedding_loss": 2,
-           "margin_ranking_loss": 2, "triplet_margin_loss": 3, "triplet_margin_with_distance_loss": 3}
-_POOLS = {"mean", "sum", "amax", "amin", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-          "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
-          "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices"}
-
-
 class _Recorder(TorchFunctionMode):
     def __init__(self, params: Dict[int, str], shapes: Dict[str, Tuple[int, ...]]):
         super().__init__()
@@ -123,7 +85,7 @@ class _Recorder(TorchFunctionMode):
         self.sources: Dict[int, Tuple[str, torch.Tensor]] = {}
         self.rejoined: List[Tuple[str, torch.Tensor]] = []
         self.mixed: List[Tuple[str, torch.Tensor, torch.Tensor]] = []
-        self.ends: Set[str] = set()  # weights whose outputs a loss function read as its prediction (_LOSSES)
+        self.ends: Set[str] = set()  # weights whose outputs a loss function read as its prediction (LOSSES)
 
     # -- bookkeeping
     def get(self, t) -> _Info:
@@ -169,8 +131,8 @@ class _Recorder(TorchFunctionMode):
             return
         if not outs:
             return
-        if name in _LOSSES:  # the prediction arguments' last weights are output layers (the kwarg is ``input``)
-            preds = [a for a in list(args[:_LOSSES[name]]) + [kwargs.get("input")] if isinstance(a, torch.Tensor)]
+        if name in LOSSES:  # the prediction arguments' last weights are output layers (the kwarg is ``input``)
+            preds = [a for a in list(args[:LOSSES[name]]) + [kwargs.get("input")] if isinstance(a, torch.Tensor)]
             self.ends.update(p for a in preds for p in self.get(a).last)
         if self._matrix(name, func, args, kwargs, out) is not None:
             return
@@ -188,10 +150,10 @@ class _Recorder(TorchFunctionMode):
             return
         for a, i in zip(flat_in, infos):  # any other use of a parameter: elementwise, gathered
             if i.param:
-                self.use(i.param).ops.add("elementwise" if name not in _PIECES else "index")
+                self.use(i.param).ops.add("elementwise" if name not in PIECES else "index")
         weighted = any(i.weighted for i in infos)
         raw = any(i.raw for i in infos) and not weighted
-        pooled = any(i.pooled for i in infos) or name in _POOLS or (
+        pooled = any(i.pooled for i in infos) or name in POOLS or (
             name in ("__getitem__", "select") and first is not None and outs[0].ndim < first.ndim)
         last = _provenance(name, infos)
         comps = [(a, i.comp) for a, i in zip(flat_in, infos) if i.comp is not None]
@@ -204,9 +166,9 @@ class _Recorder(TorchFunctionMode):
     def _param_view(self, func, name, args, kwargs, first, fi: _Info, outs) -> bool:
         """``first`` is (a view of) a parameter: record each output that is still one, with where its elements
         sit in the stored tensor (the view algebra: the op replayed on a meta tensor of the same strides)."""
-        if name in _SAME and all(tuple(o.shape) == tuple(first.shape) for o in outs):
+        if name in SAME and all(tuple(o.shape) == tuple(first.shape) for o in outs):
             views = [fi.view] * len(outs)
-        elif name in _COPIES or all(views_into(o, first) for o in outs):  # (a copy replays to None: layout unknown)
+        elif name in COPIES or all(views_into(o, first) for o in outs):  # (a copy replays to None: layout unknown)
             views = replay(func, args, kwargs, first, fi.view, len(outs)) or [None] * len(outs)
         elif name == "__getitem__" and tensor_index(args):
             # W[idx]: rows picked (a copy); of a stack, its matrices per token or expert, last two axes as stored
@@ -337,8 +299,8 @@ class _Recorder(TorchFunctionMode):
         """The companion of each output (None where the op mixes features or is not a rearrangement)."""
         none = [None] * len(outs)
         src, (pname, comp) = comps[0]
-        if args and args[0] is src and (name in _SAME | _RESHAPES or all(views_into(o, src) for o in outs)):
-            if name in _SAME:
+        if args and args[0] is src and (name in SAME | RESHAPES or all(views_into(o, src) for o in outs)):
+            if name in SAME:
                 return [(pname, comp)] * len(outs) if all(o.shape == comp.shape for o in outs) else none
             rest = [a for a in tree_flatten((args[1:], kwargs))[0] if isinstance(a, torch.Tensor)]
             if rest:  # an index tensor (advanced indexing): the pieces are not a split we can read
@@ -352,9 +314,9 @@ class _Recorder(TorchFunctionMode):
                 self.sources[id(src)] = (pname, comp)
                 self.keep.append(src)
             return [(pname, r) for r in res]
-        if name in _UNARY and len(comps) == 1 and len(outs) == 1 and outs[0].shape == comp.shape:
+        if name in UNARY and len(comps) == 1 and len(outs) == 1 and outs[0].shape == comp.shape:
             return [(pname, comp)]
-        if name in _LINEAR_BIN | _PRODUCT_BIN and len(outs) == 1:
+        if name in LINEAR_BIN | PRODUCT_BIN and len(outs) == 1:
             others = [i for a, i in zip(flat_in, infos) if i.comp is None and (i.weighted or i.last)]
             if len(comps) == 1:
                 if others or outs[0].shape != comp.shape:
@@ -364,14 +326,14 @@ class _Recorder(TorchFunctionMode):
             if c1.shape != c2.shape or outs[0].shape != c1.shape:
                 return none
             if p1 != p2:  # a low-rank adapter added to its base layer (LoRA): the base layer's features
-                return [(p1, c1)] if name in _LINEAR_BIN else none
+                return [(p1, c1)] if name in LINEAR_BIN else none
             if torch.equal(c1, c2):
                 return [(p1, c1)]
-            if name in _LINEAR_BIN:  # pieces added back together (a rotary embedding): one map, not blocks
+            if name in LINEAR_BIN:  # pieces added back together (a rotary embedding): one map, not blocks
                 self.mixed.append((p1, c1, c2))
                 return [(p1, c1)]
             return none
-        if name in _CAT and len(outs) == 1:
+        if name in CAT and len(outs) == 1:
             if len(comps) != len(flat_in) or len({p for _, (p, _) in comps}) != 1:
                 return none
             res = func([c for _, (_, c) in comps], *args[1:], **kwargs)
@@ -404,9 +366,9 @@ class _Recorder(TorchFunctionMode):
 def _provenance(name: str, infos: Sequence[_Info]) -> frozenset:
     """The weights that last produced an op's output: the union of its inputs' (a stack, a concatenation, a
     choice, a cast, a soft-cap, a sort keep every weight whose output they pass on), except where the op sums or
-    multiplies the outputs of different weights together (:data:`_MIXING`: a residual stream, attention
+    multiplies the outputs of different weights together (:data:`MIXING`: a residual stream, attention
     scores), which no single weight produced."""
     sets = [i.last for i in infos if i.last or i.weighted]
-    if not sets or name in _MIXING and len(set(sets)) > 1:
+    if not sets or name in MIXING and len(set(sets)) > 1:
         return frozenset()
     return frozenset().union(*sets)

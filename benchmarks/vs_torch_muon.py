@@ -11,7 +11,7 @@ Muon takes nothing else), so the step compared is the Muon step.  Models:
   4096×11008 matrices take tens of seconds of NS each on a 2-core CPU.
 
 Beside them, a floor: torch's NS FLOPs at the machine's bf16 GEMM rate (one 2048² GEMM timed in every
-round). The two NS forms run at 0.95-0.98 of that rate on the AMD EPYC (``ns_roofline.py``). Where the floor
+round). ds_muon's bf16 NS ran at 0.92-0.96 of that rate on the AMD EPYC, bare products at 0.99-1.03 (``ns_roofline.py``). Where the floor
 is most of torch's step, no optimizer running the same products can be much faster than torch's.
 
 Then a profile of ds_muon's step by phase (``torch.profiler`` record_function ranges of the runtime's

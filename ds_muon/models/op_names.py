@@ -5,13 +5,15 @@ tells one kind of call from another (each list says why it is one)."""
 # (A list because no property of an op tells a cast from an elementwise function of the weight.)
 SAME = {"to", "type", "float", "half", "bfloat16", "double", "detach", "requires_grad_", "cpu", "cuda",
         "contiguous", "clone", "dropout", "alpha_dropout", "feature_alpha_dropout"}
+# Sums and products of two tensors' elements.
+LINEAR_BIN = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
+PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
+               "div_", "true_divide"}
 # Ops that combine several inputs' elements arithmetically: weights' outputs summed or multiplied together (a
 # residual stream, attention scores) are no single weight's output any more.  (A list: an op's signature does
 # not tell a sum of two streams from a choice between them, as ``where`` or ``cat`` make.)
-MIXING = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_",
-          "mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
-          "div_", "true_divide", "addcmul", "addcdiv", "lerp", "matmul", "__matmul__", "__rmatmul__", "bmm",
-          "mm", "baddbmm", "addmm", "einsum", "scaled_dot_product_attention", "linear"}
+MIXING = LINEAR_BIN | PRODUCT_BIN | {"addcmul", "addcdiv", "lerp", "matmul", "__matmul__", "__rmatmul__", "bmm",
+                                    "mm", "baddbmm", "addmm", "einsum", "scaled_dot_product_attention", "linear"}
 # Ops that return a view where the strides allow and a copy otherwise (``reshape`` after a ``permute``): the copy
 # rearranges the elements as the view would, so an output's feature companion follows it all the same.
 RESHAPES = {"reshape", "reshape_as", "flatten"}
@@ -22,9 +24,6 @@ COPIES = {"repeat", "tile", "repeat_interleave", "index_select", "gather", "take
 UNARY = {"neg", "__neg__", "silu", "gelu", "relu", "sigmoid", "tanh", "softplus", "exp", "clamp", "clip", "abs",
          "leaky_relu", "elu", "mish", "hardswish", "hardsigmoid", "relu6", "square", "sqrt", "rsqrt", "log",
          "sin", "cos", "pow", "__pow__", "silu_", "relu_", "gelu_", "sigmoid_", "tanh_", "clamp_", "float_power"}
-LINEAR_BIN = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
-PRODUCT_BIN = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__rtruediv__", "__itruediv__",
-               "div_", "true_divide"}
 CAT = {"cat", "concat", "concatenate", "stack"}
 # torch.nn.functional's losses, each with how many leading arguments are predictions (the rest: targets, weights).
 # What a loss reads is an end of the forward as much as what it returns: a model that returns ``loss + aux`` (a
